@@ -1,0 +1,62 @@
+"""Core value types: a pod as discovery describes it, and what a strategy sees of a candidate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """One replica of one model. Every per-pod state is keyed by `key` (namespace/name)."""
+
+    name: str
+    namespace: str
+    model: str
+    address: str
+    port: int
+    metrics_port: int
+    engine: str = "vllm"
+    ready: bool = True
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def endpoint(self) -> str:
+        """IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`."""
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    """Engine-reported values; None when the engine does not export them."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None  # 0..1
+
+
+@dataclass(slots=True)
+class Candidate:
+    """What a strategy may read about one routable pod: nothing else reaches it."""
+
+    pod: Pod
+    running: int  # in flight, as the gateway counts them
+    waiting: float | None  # engine queue; None when unknown or stale
+    kv_usage: float | None  # 0..1; None when unknown, stale or NaN
+    capacity: float | None  # learned output tokens/s; None before the first estimate
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What the gateway knows of a request when it routes it."""
+
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    body_bytes: int = 0
+    request_id: str = ""

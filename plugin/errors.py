@@ -1,0 +1,133 @@
+"""The project's one error hierarchy, and the one place that maps a request error to a reply.
+
+`GatewayError` is the root. `ConfigError` stops start-up. `RequestError` subclasses are the errors
+the plugin itself decides for a request; `error_reply` turns one into the status, OpenAI-shaped JSON
+body and `x-error-*` header that Envoy returns to the client unchanged (ImmediateResponse). The
+mapping is pure so it is tested without gRPC; the ext_proc adapter only wraps it in protobuf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+
+class GatewayError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class ConfigError(GatewayError):
+    """Bad configuration: start-up stops with this message (it names the variable or file)."""
+
+
+class RequestError(GatewayError):
+    """An error decided for one request; subclasses fix status, code and the `x-error-*` header."""
+
+    status: int = 500
+    code: str | None = None
+    param: str | None = None
+    header: tuple[str, str] = ("x-error-routing", "true")
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequestBody(RequestError):
+    """The body of an LLM request is not a JSON object."""
+
+    status = 400
+    header = ("x-error-request-body-processing", "true")
+
+
+class NoModel(RequestError):
+    """The request names no model."""
+
+    status = 400
+    code = "model_not_found"
+    param = "model"
+    header = ("x-error-no-model-backends", "true")
+
+    def __init__(self) -> None:
+        super().__init__("no model in request body")
+
+
+class UnknownModel(RequestError):
+    """No pod serves the requested model at all."""
+
+    status = 400
+    code = "model_not_found"
+    param = "model"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model {model} does not exist")
+        self.header = ("x-error-no-model-backends", model)
+
+
+class NoReadyPod(RequestError):
+    """The model has pods, but none is ready now."""
+
+    status = 503
+    header = ("x-error-no-model-backends", "true")
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"no ready pods for model {model}")
+
+
+class UnknownStrategy(RequestError):
+    """The `routing-strategy` header names no registered strategy."""
+
+    status = 400
+    header = ("x-error-routing", "true")
+
+    def __init__(self, strategy: str) -> None:
+        super().__init__(f"incorrect routing strategy {strategy}")
+
+
+class RoutingFailed(RequestError):
+    """A strategy excluded every candidate (or rejected the request)."""
+
+    status = 503
+    header = ("x-error-routing", "true")
+
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    401: "authentication_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status (AIBrix's table)."""
+    return _TYPE_BY_STATUS.get(status, "api_error")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """What the client receives: status, JSON body, headers (content-type included)."""
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+
+
+def error_reply(err: RequestError) -> ErrorReply:
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": err.message,
+                "type": error_type(err.status),
+                "param": err.param,
+                "code": err.code,
+            }
+        }
+    )
+    return ErrorReply(
+        status=err.status,
+        body=body,
+        headers=(("content-type", "application/json"), err.header),
+    )

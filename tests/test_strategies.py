@@ -1,0 +1,178 @@
+"""Table-driven tests of the strategies, the load-balance score's every edge case included."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plugin.core.strategies import (
+    StrategyParams,
+    build_strategies,
+    load_balance_scores,
+    strategy_names,
+)
+from plugin.core.types import Candidate, Pod, RequestInfo
+from plugin.errors import RoutingFailed
+
+REQ = RequestInfo(model="m")
+
+
+def cand(
+    name: str,
+    running: int = 0,
+    capacity: float | None = None,
+    kv_usage: float | None = None,
+    waiting: float | None = None,
+) -> Candidate:
+    pod = Pod(name=name, namespace="ns", model="m", address="10.0.0.1", port=8000,
+              metrics_port=8000)
+    return Candidate(pod, running, waiting, kv_usage, capacity)
+
+
+def lb(**kw: float) -> object:
+    return build_strategies(StrategyParams(**kw))["load-balance"]
+
+
+def test_registry_has_the_three_strategies() -> None:
+    assert {"random", "least-request", "load-balance"} <= strategy_names()
+
+
+def test_worked_example() -> None:
+    cands = [
+        cand("a100", running=20, capacity=4000, kv_usage=0.70),
+        cand("l20", running=25, capacity=3000, kv_usage=0.40),
+        cand("b100", running=30, capacity=6000, kv_usage=0.50),
+    ]
+    scores = load_balance_scores(cands, StrategyParams(kv_pressure_alpha=2.0))
+    assert [round(s, 4) for s in scores] == [0.0099, 0.0110, 0.0075]
+    picked = build_strategies(StrategyParams())["load-balance"].pick(cands, REQ, random.Random(1))
+    assert picked.pod.name == "b100"
+
+
+@pytest.mark.parametrize(
+    ("cands", "params", "expected"),
+    [
+        pytest.param(
+            [cand("a", 10, capacity=100), cand("b", 10, capacity=None)],
+            StrategyParams(kv_pressure_alpha=0),
+            [0.1, 0.1],
+            id="missing-estimate-gets-mean",
+        ),
+        pytest.param(
+            [cand("a", 10, capacity=100), cand("b", 10, capacity=300), cand("c", 10)],
+            StrategyParams(kv_pressure_alpha=0),
+            [0.1, 10 / 300, 0.05],
+            id="mean-of-existing-estimates",
+        ),
+        pytest.param(
+            [cand("a", 4, kv_usage=0.5), cand("b", 2, kv_usage=0.0)],
+            StrategyParams(kv_pressure_alpha=2),
+            [4 * 1.5, 2.0],
+            id="no-estimates-load-times-penalty",
+        ),
+        pytest.param(
+            [cand("a", 5, capacity=10, kv_usage=None), cand("b", 5, capacity=10,
+                                                           kv_usage=math.nan)],
+            StrategyParams(kv_pressure_alpha=2),
+            [0.5, 0.5],
+            id="missing-or-nan-kv-is-free",
+        ),
+        pytest.param(
+            [cand("a", 5, capacity=10, kv_usage=0.95), cand("b", 5, capacity=10, kv_usage=0.5)],
+            StrategyParams(kv_critical_free=0.10),
+            [math.inf, 0.5 * 1.5],
+            id="below-critical-is-inf",
+        ),
+        pytest.param(
+            [cand("a", 0, capacity=1, kv_usage=0.8), cand("b", 0, capacity=None)],
+            StrategyParams(),
+            [0.0, 0.0],
+            id="idle-scores-zero",
+        ),
+        pytest.param(
+            [cand("a", 2, capacity=10, waiting=8), cand("b", 2, capacity=10, waiting=None)],
+            StrategyParams(queued_weight=0.5, kv_pressure_alpha=0),
+            [0.6, 0.2],
+            id="queued-weight",
+        ),
+        pytest.param(
+            [cand("a", 2, capacity=10, waiting=8)],
+            StrategyParams(queued_weight=0.0, kv_pressure_alpha=0),
+            [0.2],
+            id="queued-ignored-when-lambda-zero",
+        ),
+        pytest.param(
+            [cand("a", 2, capacity=10, kv_usage=1.7), cand("b", 2, capacity=10, kv_usage=-1)],
+            StrategyParams(kv_critical_free=0.0, kv_pressure_alpha=1),
+            [0.4, 0.2],
+            id="kv-clamped-to-0-1",
+        ),
+    ],
+)
+def test_load_balance_scores(
+    cands: list[Candidate], params: StrategyParams, expected: list[float]
+) -> None:
+    assert load_balance_scores(cands, params) == pytest.approx(expected)
+
+
+def test_all_below_critical_routes_to_most_headroom() -> None:
+    cands = [cand("a", 1, kv_usage=0.97), cand("b", 9, kv_usage=0.92), cand("c", 0, kv_usage=0.99)]
+    for seed in range(20):
+        assert lb().pick(cands, REQ, random.Random(seed)).pod.name == "b"  # type: ignore[attr-defined]
+
+
+def test_ties_prefer_least_kv_then_random() -> None:
+    cands = [cand("a", 0, kv_usage=0.5), cand("b", 0, kv_usage=0.2), cand("c", 0, kv_usage=0.2)]
+    picks = Counter(
+        lb().pick(cands, REQ, random.Random(seed)).pod.name  # type: ignore[attr-defined]
+        for seed in range(200)
+    )
+    assert set(picks) == {"b", "c"}
+    assert min(picks.values()) > 50
+
+
+def test_least_request_picks_fewest_in_flight_and_breaks_ties_randomly() -> None:
+    strategy = build_strategies(StrategyParams())["least-request"]
+    cands = [cand("a", 3), cand("b", 1), cand("c", 1)]
+    picks = Counter(strategy.pick(cands, REQ, random.Random(s)).pod.name for s in range(200))
+    assert set(picks) == {"b", "c"}
+
+
+def test_random_covers_every_candidate() -> None:
+    strategy = build_strategies(StrategyParams())["random"]
+    cands = [cand("a"), cand("b"), cand("c")]
+    rng = random.Random(3)
+    picks = Counter(strategy.pick(cands, REQ, rng).pod.name for _ in range(300))
+    assert set(picks) == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize("name", sorted(strategy_names()))
+def test_no_candidates_is_routing_failure(name: str) -> None:
+    with pytest.raises(RoutingFailed):
+        build_strategies(StrategyParams())[name].pick([], REQ, random.Random(0))
+
+
+cand_st = st.builds(
+    cand,
+    name=st.sampled_from(["a", "b", "c", "d"]),
+    running=st.integers(0, 1000),
+    capacity=st.one_of(st.none(), st.just(math.nan), st.floats(min_value=-10, max_value=1e6)),
+    kv_usage=st.one_of(st.none(), st.just(math.nan), st.floats(min_value=-2, max_value=2)),
+    waiting=st.one_of(st.none(), st.floats(min_value=0, max_value=1e4)),
+)
+
+
+@given(st.lists(cand_st, min_size=1, max_size=8), st.integers(0, 2**32))
+def test_scores_are_finite_or_inf_and_pick_is_a_candidate(
+    cands: list[Candidate], seed: int
+) -> None:
+    params = StrategyParams(queued_weight=0.3)
+    for score in load_balance_scores(cands, params):
+        assert score >= 0 and not math.isnan(score)
+    for strategy in build_strategies(params).values():
+        assert any(strategy.pick(cands, REQ, random.Random(seed)) is c for c in cands)
