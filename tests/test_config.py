@@ -1,0 +1,69 @@
+"""Configuration: defaults, overrides, and a clear error naming each bad variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin.config import ENV_VARS, load_settings
+from plugin.errors import ConfigError
+
+
+def test_defaults() -> None:
+    s = load_settings({})
+    assert s.default_strategy == "load-balance"
+    assert (s.strategy.queued_weight, s.strategy.kv_pressure_alpha,
+            s.strategy.kv_critical_free) == (0.0, 2.0, 0.10)
+    assert s.metric_refresh_interval_s == 1.0
+    assert s.max_message_bytes == 4 * 1024 * 1024
+    assert (s.grpc_port, s.http_port) == (50052, 8080)
+
+
+def test_overrides() -> None:
+    s = load_settings({
+        "ROUTING_ALGORITHM": "least-request",
+        "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT": "0.5",
+        "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA": "3",
+        "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE": "0.2",
+        "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "250",
+        "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": "1048576",
+        "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS": "4",
+    })
+    assert s.default_strategy == "least-request"
+    assert s.strategy.queued_weight == 0.5
+    assert s.strategy.kv_pressure_alpha == 3.0
+    assert s.strategy.kv_critical_free == 0.2
+    assert s.metric_refresh_interval_s == 0.25
+    assert s.metrics_max_age_s == pytest.approx(1.0)
+    assert s.max_message_bytes == 1048576
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("ROUTING_ALGORITHM", "fastest"),
+        ("AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT", "-1"),
+        ("AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA", "abc"),
+        ("AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA", "nan"),
+        ("AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE", "1.5"),
+        ("AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS", "0"),
+        ("AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES", "4MiB"),
+        ("HETERO_GATEWAY_GRPC_PORT", "70000"),
+        ("HETERO_GATEWAY_CAPACITY_TAU_S", "inf"),
+        ("HETERO_GATEWAY_LOG_LEVEL", "LOUD"),
+    ],
+)
+def test_bad_value_names_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        load_settings({name: value})
+
+
+def test_every_variable_read_is_documented() -> None:
+    import inspect
+    import re
+
+    import plugin.config as config
+
+    source = inspect.getsource(config.load_settings)
+    read = set(re.findall(r'"((?:AIBRIX|HETERO_GATEWAY|ROUTING)_[A-Z_]+)"', source))
+    assert len(read) >= 10
+    assert read <= {v.name for v in ENV_VARS}
