@@ -32,31 +32,79 @@ class EnvVar:
 
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("ROUTING_ALGORITHM", "string", "load-balance",
-           "Strategy used when a request has no `routing-strategy` header."),
-    EnvVar("AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT", "float >= 0", "0",
-           "lambda: weight of engine-queued requests in the load-balance score."),
-    EnvVar("AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA", "float >= 0", "2.0",
-           "alpha: strength of the KV-pressure penalty (1 + alpha * (1 - kvFree)^2)."),
-    EnvVar("AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE", "float in [0, 1]", "0.10",
-           "Replicas with less free KV cache than this are passed over."),
-    EnvVar("AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS", "int > 0", "1000",
-           "Engine metrics scrape period; capacity estimates refresh on the same tick."),
-    EnvVar("AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES", "int > 0", str(DEFAULT_MAX_MESSAGE_BYTES),
-           "Largest gRPC message (so request body) accepted; keep equal to Envoy's buffer limit."),
-    EnvVar("HETERO_GATEWAY_PODS_FILE", "path", "(none)",
-           "Static pod discovery file (YAML); `serve --pods` overrides it."),
+    EnvVar(
+        "ROUTING_ALGORITHM",
+        "string",
+        "load-balance",
+        "Strategy used when a request has no `routing-strategy` header.",
+    ),
+    EnvVar(
+        "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT",
+        "float >= 0",
+        "0",
+        "lambda: weight of engine-queued requests in the load-balance score.",
+    ),
+    EnvVar(
+        "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA",
+        "float >= 0",
+        "2.0",
+        "alpha: strength of the KV-pressure penalty (1 + alpha * (1 - kvFree)^2).",
+    ),
+    EnvVar(
+        "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE",
+        "float in [0, 1]",
+        "0.10",
+        "Replicas with less free KV cache than this are passed over.",
+    ),
+    EnvVar(
+        "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS",
+        "int > 0",
+        "1000",
+        "Engine metrics scrape period; capacity estimates refresh on the same tick.",
+    ),
+    EnvVar(
+        "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
+        "int > 0",
+        str(DEFAULT_MAX_MESSAGE_BYTES),
+        "Largest gRPC message (so request body) accepted; keep equal to Envoy's buffer limit.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_PODS_FILE",
+        "path",
+        "(none)",
+        "Static pod discovery file (YAML); `serve --pods` overrides it.",
+    ),
     EnvVar("HETERO_GATEWAY_GRPC_PORT", "int", "50052", "ext_proc gRPC port."),
-    EnvVar("HETERO_GATEWAY_HTTP_PORT", "int", "8080",
-           "HTTP port for /metrics (Prometheus), /healthz, /readyz and /debug/pods."),
-    EnvVar("HETERO_GATEWAY_SCRAPE_TIMEOUT_MS", "int > 0", "500",
-           "Timeout of one engine /metrics scrape."),
-    EnvVar("HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS", "int > 0", "3",
-           "Engine metrics older than this many refresh intervals count as missing."),
-    EnvVar("HETERO_GATEWAY_CAPACITY_WINDOW_S", "float > 0", "60",
-           "Window over which completed output tokens become a rate."),
-    EnvVar("HETERO_GATEWAY_CAPACITY_TAU_S", "float > 0", "10",
-           "Time constant of the EWMA that smooths the capacity estimate."),
+    EnvVar(
+        "HETERO_GATEWAY_HTTP_PORT",
+        "int",
+        "8080",
+        "HTTP port for /metrics (Prometheus), /healthz, /readyz and /debug/pods.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS",
+        "int > 0",
+        "500",
+        "Timeout of one engine /metrics scrape.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS",
+        "int > 0",
+        "3",
+        "Engine metrics older than this many refresh intervals count as missing.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_CAPACITY_WINDOW_S",
+        "float > 0",
+        "60",
+        "Window over which completed output tokens become a rate.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_CAPACITY_TAU_S",
+        "float > 0",
+        "10",
+        "Time constant of the EWMA that smooths the capacity estimate.",
+    ),
     EnvVar("HETERO_GATEWAY_LOG_LEVEL", "string", "INFO", "Python logging level."),
 )
 
@@ -81,8 +129,14 @@ class Settings:
         return self.metric_refresh_interval_s * self.metrics_max_age_intervals
 
 
-def _parse(env: Mapping[str, str], name: str, conv: Callable[[str], T], default: T,
-           ok: Callable[[T], bool], expect: str) -> T:
+def _parse(
+    env: Mapping[str, str],
+    name: str,
+    conv: Callable[[str], T],
+    default: T,
+    ok: Callable[[T], bool],
+    expect: str,
+) -> T:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -109,15 +163,34 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"(known: {', '.join(sorted(strategy_names()))})"
         )
     params = StrategyParams(
-        queued_weight=_parse(env, "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT", float, 0.0,
-                             lambda v: v >= 0, "a number >= 0"),
-        kv_pressure_alpha=_parse(env, "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA", float, 2.0,
-                                 lambda v: v >= 0, "a number >= 0"),
-        kv_critical_free=_parse(env, "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE", float, 0.10,
-                                lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        queued_weight=_parse(
+            env, "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT", float, 0.0, lambda v: v >= 0, "a number >= 0"
+        ),
+        kv_pressure_alpha=_parse(
+            env,
+            "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA",
+            float,
+            2.0,
+            lambda v: v >= 0,
+            "a number >= 0",
+        ),
+        kv_critical_free=_parse(
+            env,
+            "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE",
+            float,
+            0.10,
+            lambda v: 0 <= v <= 1,
+            "a number in [0, 1]",
+        ),
     )
-    refresh_ms = _parse(env, "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS", int, 1000,
-                        lambda v: v > 0, "a positive integer (milliseconds)")
+    refresh_ms = _parse(
+        env,
+        "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS",
+        int,
+        1000,
+        lambda v: v > 0,
+        "a positive integer (milliseconds)",
+    )
     level = env.get("HETERO_GATEWAY_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
         raise ConfigError(f"HETERO_GATEWAY_LOG_LEVEL={level!r} is not a logging level")
@@ -125,19 +198,49 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         default_strategy=strategy,
         strategy=params,
         metric_refresh_interval_s=refresh_ms / 1000.0,
-        max_message_bytes=_parse(env, "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES", int,
-                                 DEFAULT_MAX_MESSAGE_BYTES, lambda v: v > 0,
-                                 "a positive integer (bytes)"),
+        max_message_bytes=_parse(
+            env,
+            "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
+            int,
+            DEFAULT_MAX_MESSAGE_BYTES,
+            lambda v: v > 0,
+            "a positive integer (bytes)",
+        ),
         pods_file=env.get("HETERO_GATEWAY_PODS_FILE") or None,
         grpc_port=_port(env, "HETERO_GATEWAY_GRPC_PORT", 50052),
         http_port=_port(env, "HETERO_GATEWAY_HTTP_PORT", 8080),
-        scrape_timeout_s=_parse(env, "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS", int, 500,
-                                lambda v: v > 0, "a positive integer (milliseconds)") / 1000.0,
-        metrics_max_age_intervals=_parse(env, "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS", int, 3,
-                                         lambda v: v > 0, "a positive integer"),
-        capacity_window_s=_parse(env, "HETERO_GATEWAY_CAPACITY_WINDOW_S", float, 60.0,
-                                 lambda v: v > 0, "a positive number (seconds)"),
-        capacity_tau_s=_parse(env, "HETERO_GATEWAY_CAPACITY_TAU_S", float, 10.0,
-                              lambda v: v > 0, "a positive number (seconds)"),
+        scrape_timeout_s=_parse(
+            env,
+            "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS",
+            int,
+            500,
+            lambda v: v > 0,
+            "a positive integer (milliseconds)",
+        )
+        / 1000.0,
+        metrics_max_age_intervals=_parse(
+            env,
+            "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS",
+            int,
+            3,
+            lambda v: v > 0,
+            "a positive integer",
+        ),
+        capacity_window_s=_parse(
+            env,
+            "HETERO_GATEWAY_CAPACITY_WINDOW_S",
+            float,
+            60.0,
+            lambda v: v > 0,
+            "a positive number (seconds)",
+        ),
+        capacity_tau_s=_parse(
+            env,
+            "HETERO_GATEWAY_CAPACITY_TAU_S",
+            float,
+            10.0,
+            lambda v: v > 0,
+            "a positive number (seconds)",
+        ),
         log_level=level,
     )

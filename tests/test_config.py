@@ -11,23 +11,28 @@ from plugin.errors import ConfigError
 def test_defaults() -> None:
     s = load_settings({})
     assert s.default_strategy == "load-balance"
-    assert (s.strategy.queued_weight, s.strategy.kv_pressure_alpha,
-            s.strategy.kv_critical_free) == (0.0, 2.0, 0.10)
+    assert (
+        s.strategy.queued_weight,
+        s.strategy.kv_pressure_alpha,
+        s.strategy.kv_critical_free,
+    ) == (0.0, 2.0, 0.10)
     assert s.metric_refresh_interval_s == 1.0
     assert s.max_message_bytes == 4 * 1024 * 1024
     assert (s.grpc_port, s.http_port) == (50052, 8080)
 
 
 def test_overrides() -> None:
-    s = load_settings({
-        "ROUTING_ALGORITHM": "least-request",
-        "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT": "0.5",
-        "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA": "3",
-        "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE": "0.2",
-        "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "250",
-        "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": "1048576",
-        "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS": "4",
-    })
+    s = load_settings(
+        {
+            "ROUTING_ALGORITHM": "least-request",
+            "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT": "0.5",
+            "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA": "3",
+            "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE": "0.2",
+            "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "250",
+            "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": "1048576",
+            "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS": "4",
+        }
+    )
     assert s.default_strategy == "least-request"
     assert s.strategy.queued_weight == 0.5
     assert s.strategy.kv_pressure_alpha == 3.0

@@ -21,28 +21,68 @@ from plugin.errors import (
 @pytest.mark.parametrize(
     ("err", "status", "etype", "code", "header", "message"),
     [
-        pytest.param(BadRequestBody("request body is not valid JSON"), 400,
-                     "invalid_request_error", None,
-                     ("x-error-request-body-processing", "true"),
-                     "request body is not valid JSON", id="bad-json"),
-        pytest.param(NoModel(), 400, "invalid_request_error", "model_not_found",
-                     ("x-error-no-model-backends", "true"), "no model in request body",
-                     id="no-model"),
-        pytest.param(UnknownModel("llama"), 400, "invalid_request_error", "model_not_found",
-                     ("x-error-no-model-backends", "llama"), "model llama does not exist",
-                     id="unknown-model"),
-        pytest.param(NoReadyPod("llama"), 503, "overloaded_error", None,
-                     ("x-error-no-model-backends", "true"), "no ready pods for model llama",
-                     id="no-ready-pod"),
-        pytest.param(UnknownStrategy("fastest"), 400, "invalid_request_error", None,
-                     ("x-error-routing", "true"), "incorrect routing strategy fastest",
-                     id="unknown-strategy"),
-        pytest.param(RoutingFailed("every pod excluded"), 503, "overloaded_error", None,
-                     ("x-error-routing", "true"), "every pod excluded", id="routing-failed"),
+        pytest.param(
+            BadRequestBody("request body is not valid JSON"),
+            400,
+            "invalid_request_error",
+            None,
+            ("x-error-request-body-processing", "true"),
+            "request body is not valid JSON",
+            id="bad-json",
+        ),
+        pytest.param(
+            NoModel(),
+            400,
+            "invalid_request_error",
+            "model_not_found",
+            ("x-error-no-model-backends", "true"),
+            "no model in request body",
+            id="no-model",
+        ),
+        pytest.param(
+            UnknownModel("llama"),
+            400,
+            "invalid_request_error",
+            "model_not_found",
+            ("x-error-no-model-backends", "llama"),
+            "model llama does not exist",
+            id="unknown-model",
+        ),
+        pytest.param(
+            NoReadyPod("llama"),
+            503,
+            "overloaded_error",
+            None,
+            ("x-error-no-model-backends", "true"),
+            "no ready pods for model llama",
+            id="no-ready-pod",
+        ),
+        pytest.param(
+            UnknownStrategy("fastest"),
+            400,
+            "invalid_request_error",
+            None,
+            ("x-error-routing", "true"),
+            "incorrect routing strategy fastest",
+            id="unknown-strategy",
+        ),
+        pytest.param(
+            RoutingFailed("every pod excluded"),
+            503,
+            "overloaded_error",
+            None,
+            ("x-error-routing", "true"),
+            "every pod excluded",
+            id="routing-failed",
+        ),
     ],
 )
 def test_error_reply(
-    err: RequestError, status: int, etype: str, code: str | None, header: tuple[str, str],
+    err: RequestError,
+    status: int,
+    etype: str,
+    code: str | None,
+    header: tuple[str, str],
     message: str,
 ) -> None:
     reply = error_reply(err)
@@ -50,15 +90,20 @@ def test_error_reply(
     assert header in reply.headers
     assert ("content-type", "application/json") in reply.headers
     body = orjson.loads(reply.body)
-    assert body == {"error": {"message": message, "type": etype, "param": err.param,
-                              "code": code}}
+    assert body == {"error": {"message": message, "type": etype, "param": err.param, "code": code}}
 
 
 @pytest.mark.parametrize(
     ("status", "etype"),
-    [(400, "invalid_request_error"), (404, "invalid_request_error"),
-     (401, "authentication_error"), (429, "rate_limit_error"), (503, "overloaded_error"),
-     (500, "api_error"), (502, "api_error")],
+    [
+        (400, "invalid_request_error"),
+        (404, "invalid_request_error"),
+        (401, "authentication_error"),
+        (429, "rate_limit_error"),
+        (503, "overloaded_error"),
+        (500, "api_error"),
+        (502, "api_error"),
+    ],
 )
 def test_error_type_by_status(status: int, etype: str) -> None:
     assert error_type(status) == etype

@@ -29,8 +29,9 @@ def cand(
     kv_usage: float | None = None,
     waiting: float | None = None,
 ) -> Candidate:
-    pod = Pod(name=name, namespace="ns", model="m", address="10.0.0.1", port=8000,
-              metrics_port=8000)
+    pod = Pod(
+        name=name, namespace="ns", model="m", address="10.0.0.1", port=8000, metrics_port=8000
+    )
     return Candidate(pod, running, waiting, kv_usage, capacity)
 
 
@@ -76,8 +77,10 @@ def test_worked_example() -> None:
             id="no-estimates-load-times-penalty",
         ),
         pytest.param(
-            [cand("a", 5, capacity=10, kv_usage=None), cand("b", 5, capacity=10,
-                                                           kv_usage=math.nan)],
+            [
+                cand("a", 5, capacity=10, kv_usage=None),
+                cand("b", 5, capacity=10, kv_usage=math.nan),
+            ],
             StrategyParams(kv_pressure_alpha=2),
             [0.5, 0.5],
             id="missing-or-nan-kv-is-free",

@@ -106,8 +106,9 @@ class PodPool:
                 waiting = scraped.metrics.waiting
                 kv = scraped.metrics.kv_usage
             out.append(
-                Candidate(pod, self._inflight.get(key, 0), waiting, kv,
-                          self._capacity.estimate(key))
+                Candidate(
+                    pod, self._inflight.get(key, 0), waiting, kv, self._capacity.estimate(key)
+                )
             )
         if not out:
             raise NoReadyPod(model)
@@ -165,7 +166,9 @@ class PodPool:
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),
-                "engine": None if scraped is None else {
+                "engine": None
+                if scraped is None
+                else {
                     "running": scraped.metrics.running,
                     "waiting": scraped.metrics.waiting,
                     "kv_usage": scraped.metrics.kv_usage,

@@ -165,6 +165,4 @@ class LoadBalance:
         frees = [kv_free(c.kv_usage) for c in candidates]
         if all(math.isinf(s) for s in scores):
             return _random_min(candidates, [(-f,) for f in frees], rng)
-        return _random_min(
-            candidates, [(s, -f) for s, f in zip(scores, frees, strict=True)], rng
-        )
+        return _random_min(candidates, [(s, -f) for s, f in zip(scores, frees, strict=True)], rng)

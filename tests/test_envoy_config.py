@@ -1,0 +1,251 @@
+"""Envoy bootstrap rendering: the facts that matter, and the real Envoy accepts the result."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from plugin.adapters import envoy_config as ec
+from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, render_bootstrap
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKED_IN = REPO / "envoy" / "envoy.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    # Only this module's sub-command: the test must not depend on the other CLI modules.
+    parser = argparse.ArgumentParser(prog="hetero-gateway")
+    ec.register_cli(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _run_cli(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    return int(args.func(args))
+
+
+def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
+    listener = boot["static_resources"]["listeners"][0]
+    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+def _cluster(boot: dict[str, Any], name: str) -> dict[str, Any]:
+    (cluster,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == name]
+    assert isinstance(cluster, dict)
+    return cluster
+
+
+def _strip_comments(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def envoy() -> str:
+    return ec.envoy_binary()
+
+
+# --- facts ----------------------------------------------------------------------------------------
+
+
+def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
+    boot = render_bootstrap(EnvoyOptions())
+    cluster = _cluster(boot, ec.ORIGINAL_DST_CLUSTER)
+    assert cluster["type"] == "ORIGINAL_DST"
+    assert cluster["lb_policy"] == "CLUSTER_PROVIDED"
+    assert cluster["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "target-pod",
+    }
+    route = _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert route["match"] == {"prefix": "/"}
+    assert route["route"]["cluster"] == ec.ORIGINAL_DST_CLUSTER
+    assert route["route"]["timeout"] == "0s"  # the whole streamed answer must not be cut
+
+
+def test_ext_proc_filter_modes_metadata_and_timeouts() -> None:
+    boot = render_bootstrap(EnvoyOptions())
+    filters = _hcm(boot)["http_filters"]
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    cfg = filters[0]["typed_config"]
+    assert cfg["@type"].endswith("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor")
+    assert cfg["grpc_service"]["envoy_grpc"] == {"cluster_name": ec.EXT_PROC_CLUSTER}
+    assert cfg["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "response_header_mode": "SEND",
+        "response_body_mode": "STREAMED",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+    assert cfg["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    assert cfg["message_timeout"] == "60s"
+    assert cfg["failure_mode_allow"] is False
+    assert cfg["allow_mode_override"] is False
+
+
+@pytest.mark.parametrize("max_bytes", [4 * 1024 * 1024, 16 * 1024 * 1024], ids=["4MiB", "16MiB"])
+def test_buffer_limits_and_windows_follow_max_request_bytes(max_bytes: int) -> None:
+    boot = render_bootstrap(EnvoyOptions(max_request_bytes=max_bytes))
+    assert boot["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == (
+        max_bytes
+    )
+    assert _cluster(boot, ec.ORIGINAL_DST_CLUSTER)["per_connection_buffer_limit_bytes"] == (
+        max_bytes
+    )
+    ext = _cluster(boot, ec.EXT_PROC_CLUSTER)
+    proto = ext["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    h2 = proto["explicit_http_config"]["http2_protocol_options"]
+    assert h2["initial_stream_window_size"] > max_bytes
+    assert h2["initial_connection_window_size"] >= h2["initial_stream_window_size"]
+
+
+@pytest.mark.parametrize(
+    ("host", "kind"),
+    [("127.0.0.1", "STATIC"), ("::1", "STATIC"), ("gateway-plugin.aibrix-system", "STRICT_DNS")],
+    ids=["ipv4", "ipv6", "dns-name"],
+)
+def test_ext_proc_cluster_address(host: str, kind: str) -> None:
+    ext = _cluster(render_bootstrap(EnvoyOptions(extproc_host=host)), ec.EXT_PROC_CLUSTER)
+    assert ext["type"] == kind
+    endpoint = ext["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": host, "port_value": 50052}
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(60.0, "60s"), (0.2, "0.2s"), (0.0, "0s"), (1.5, "1.5s"), (1e-12, "0s")],
+    ids=["whole", "fraction", "zero", "one-and-half", "sub-nanosecond"],
+)
+def test_durations(seconds: float, text: str) -> None:
+    assert ec._duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"listen_host": "localhost"},
+        {"listen_port": 70000},
+        {"message_timeout_s": 4000.0},
+        {"max_request_bytes": 0},
+        {"upstream_connect_timeout_s": 0.0},
+        {"extproc_host": ""},
+    ],
+    ids=[
+        "listen-host-not-ip",
+        "port-range",
+        "timeout-over-3600",
+        "zero-bytes",
+        "connect-0",
+        "host",
+    ],
+)
+def test_bad_options_are_rejected_early(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        EnvoyOptions(**kwargs)
+
+
+def test_rendering_is_deterministic() -> None:
+    assert bootstrap_yaml(EnvoyOptions()) == bootstrap_yaml(EnvoyOptions())
+
+
+def test_checked_in_bootstrap_matches_default_rendering() -> None:
+    text = CHECKED_IN.read_text(encoding="utf-8")
+    assert text.startswith("# Generated by `hetero-gateway envoy-config")
+    assert _strip_comments(text) == bootstrap_yaml(EnvoyOptions()), (
+        "envoy/envoy.yaml drifted: run `hetero-gateway envoy-config --out envoy/envoy.yaml`"
+    )
+
+
+# --- real Envoy -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        EnvoyOptions(),
+        EnvoyOptions(
+            fail_open=True,
+            listen_host="127.0.0.1",
+            listen_port=18888,
+            admin_port=0,
+            extproc_host="plugin.example",
+            extproc_port=6000,
+            message_timeout_s=0.25,
+            max_request_bytes=64 * 1024 * 1024,
+            upstream_connect_timeout_s=0.5,
+        ),
+    ],
+    ids=["defaults", "fail-open-other-ports-dns-64MiB"],
+)
+def test_envoy_accepts_rendering(opts: EnvoyOptions, tmp_path: Path, envoy: str) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(bootstrap_yaml(opts), encoding="utf-8")
+    ec.validate_bootstrap(path)
+
+
+def test_envoy_rejection_raises_with_envoys_message(tmp_path: Path, envoy: str) -> None:
+    path = tmp_path / "envoy.yaml"
+    text = bootstrap_yaml(EnvoyOptions()).replace("BUFFERED", "BUFFERD")
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(RuntimeError, match="BUFFERD"):
+        ec.validate_bootstrap(path)
+
+
+def test_cli_out_writes_a_file_envoy_accepts(
+    tmp_path: Path, envoy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ec.MAX_MESSAGE_ENV, str(8 * 1024 * 1024))
+    out = tmp_path / "boot.yaml"
+    argv = ["envoy-config", "--out", str(out), "--listen-port", "18080", "--fail-open"]
+    assert _run_cli([*argv, "--validate"]) == 0
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("# Generated by `hetero-gateway envoy-config")
+    assert "--listen-port 18080" in text.splitlines()[0]
+    boot = yaml.safe_load(text)
+    assert boot["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == (
+        8 * 1024 * 1024
+    )
+    assert _hcm(boot)["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
+
+
+# --- CLI without Envoy ----------------------------------------------------------------------------
+
+
+def test_cli_prints_default_rendering(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ec.MAX_MESSAGE_ENV, raising=False)
+    assert _run_cli(["envoy-config"]) == 0
+    assert capsys.readouterr().out == bootstrap_yaml(EnvoyOptions())
+
+
+def test_flag_beats_env_for_max_request_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ec.MAX_MESSAGE_ENV, "not-a-number")
+    args = _parser().parse_args(["envoy-config", "--max-request-bytes", "1024"])
+    assert ec.options_from_args(args).max_request_bytes == 1024
+
+
+@pytest.mark.parametrize(
+    "raw", ["lots", "0", "-5", "1.5"], ids=["word", "zero", "negative", "float"]
+)
+def test_bad_env_exits_naming_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ec.MAX_MESSAGE_ENV, raw)
+    with pytest.raises(SystemExit) as info:
+        _run_cli(["envoy-config"])
+    assert "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES" in str(info.value.code)
+
+
+def test_bad_flag_value_exits_with_message() -> None:
+    with pytest.raises(SystemExit) as info:
+        _run_cli(["envoy-config", "--listen-host", "localhost"])
+    assert "listen_host" in str(info.value.code)
