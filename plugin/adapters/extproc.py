@@ -1,0 +1,229 @@
+"""The ext_proc gRPC servicer: one `StreamProcessor` per Envoy stream, one method per phase.
+
+Only this module builds Envoy protobuf. Decisions come from `Router` (pure); token counting from
+`UsageScanner` (pure). Whatever ends the stream (response end, client cancel, reset, error), the
+in-flight slot is released exactly once in `close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from plugin.core.router import LLM_PATHS, Decision, Router, parse_request
+from plugin.core.usage import UsageScanner
+from plugin.errors import BadRequestBody, RequestError, error_reply
+
+log = logging.getLogger(__name__)
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_WANTED = frozenset({":path", ":method", "routing-strategy", "x-request-id"})
+
+# Replies that carry nothing are built once and reused.
+_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    # raw_value, not value: Envoy answers 503 "invalid override header value" otherwise.
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def immediate_response(err: RequestError) -> pb.ProcessingResponse:
+    reply = error_reply(err)
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=reply.status),
+            headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in reply.headers]),
+            body=reply.body,
+            details=f"hetero_gateway_{type(err).__name__}",
+        )
+    )
+
+
+class ErrorCounts:
+    """Errors the plugin answered itself, by (status, error class); read by /metrics."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, str], int] = {}
+
+    def add(self, err: RequestError) -> None:
+        key = (err.status, type(err).__name__)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+class StreamProcessor:
+    """State of one HTTP request's ext_proc stream."""
+
+    __slots__ = (
+        "_body_parts",
+        "_decision",
+        "_errors",
+        "_headers",
+        "_passthrough",
+        "_router",
+        "_scanner",
+        "_upstream_status",
+    )
+
+    def __init__(self, router: Router, errors: ErrorCounts) -> None:
+        self._router = router
+        self._errors = errors
+        self._headers: dict[str, str] = {}
+        self._passthrough = False
+        self._body_parts: list[bytes] = []
+        self._decision: Decision | None = None
+        self._scanner: UsageScanner | None = None
+        self._upstream_status = 0
+
+    @property
+    def decision(self) -> Decision | None:
+        return self._decision
+
+    def handle(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        phase = req.WhichOneof("request")
+        if phase == "response_body":
+            return self._on_response_body(req.response_body)
+        if phase == "request_headers":
+            return self._on_request_headers(req.request_headers)
+        if phase == "request_body":
+            return self._on_request_body(req.request_body)
+        if phase == "response_headers":
+            return self._on_response_headers(req.response_headers)
+        if phase == "request_trailers":
+            return _CONTINUE_REQUEST_TRAILERS
+        if phase == "response_trailers":
+            return _CONTINUE_RESPONSE_TRAILERS
+        raise ValueError(f"unexpected ext_proc message {phase}")
+
+    def _fail(self, err: RequestError) -> pb.ProcessingResponse:
+        self._errors.add(err)
+        log.debug("request error %s: %s", type(err).__name__, err.message)
+        return immediate_response(err)
+
+    def _on_request_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        headers = self._headers
+        for h in msg.headers.headers:
+            if h.key in _WANTED:
+                headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        path = headers.get(":path", "").split("?", 1)[0]
+        if path not in LLM_PATHS or headers.get(":method", "POST") != "POST":
+            self._passthrough = True
+            return _CONTINUE_REQUEST_HEADERS
+        if msg.end_of_stream:
+            return self._fail(BadRequestBody("request body is empty"))
+        return _CONTINUE_REQUEST_HEADERS
+
+    def _on_request_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if self._passthrough:
+            return _CONTINUE_REQUEST_BODY
+        self._body_parts.append(msg.body)
+        if not msg.end_of_stream:
+            return _CONTINUE_REQUEST_BODY  # BUFFERED sends one message; be safe with more
+        body = b"".join(self._body_parts)
+        self._body_parts = []
+        request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            strategy = self._router.strategy_for(self._headers.get("routing-strategy"))
+            decision = self._router.route(parse_request(body, request_id), strategy)
+        except RequestError as err:
+            return self._fail(err)
+        self._decision = decision
+        endpoint = decision.lease.pod.endpoint
+        mutation = pb.HeaderMutation(
+            set_headers=[
+                _header("target-pod", endpoint),
+                _header("x-gateway-destination-endpoint", endpoint),
+                _header("routing-strategy", decision.strategy),
+                _header("x-request-id", request_id),
+            ]
+        )
+        metadata = struct_pb2.Struct()
+        metadata.fields["envoy.lb"].struct_value.fields[
+            "x-gateway-destination-endpoint"
+        ].string_value = endpoint
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation)),
+            dynamic_metadata=metadata,
+        )
+
+    def _on_response_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        decision = self._decision
+        if decision is None:
+            return _CONTINUE_RESPONSE_HEADERS
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                raw = h.raw_value or h.value.encode()
+                self._upstream_status = int(raw) if raw.isdigit() else 0
+                break
+        self._scanner = UsageScanner()
+        if msg.end_of_stream:
+            self.close()
+        pod = decision.lease.pod
+        mutation = pb.HeaderMutation(
+            set_headers=[
+                _header("request-id", decision.request.request_id),
+                _header("routing-strategy", decision.strategy),
+                _header("target-pod", pod.name),
+                _header("target-pod-ip", pod.endpoint),
+            ]
+        )
+        return pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation)
+            )
+        )
+
+    def _on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        scanner = self._scanner
+        if scanner is not None:
+            scanner.feed(msg.body, msg.end_of_stream)
+            if msg.end_of_stream:
+                self.close()
+        return _CONTINUE_RESPONSE_BODY
+
+    def close(self) -> None:
+        """Release the in-flight slot once, crediting the tokens counted so far."""
+        decision = self._decision
+        if decision is None or decision.lease.released:
+            return
+        scanner = self._scanner
+        tokens = 0
+        if scanner is not None and self._upstream_status == 200:
+            tokens = scanner.output_tokens()
+        decision.lease.release(tokens)
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.errors = ErrorCounts()
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        processor = StreamProcessor(self.router, self.errors)
+        try:
+            async for req in request_iterator:
+                yield processor.handle(req)
+        finally:
+            processor.close()

@@ -1,0 +1,101 @@
+"""Engine metrics scraper: every refresh interval, GET each pod's /metrics concurrently.
+
+A failing engine endpoint is logged (once per failure streak) and simply leaves that pod's
+metrics to go stale; nothing on the request path waits for a scrape. Capacity estimates refresh
+on the same tick (DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from plugin.core.pool import PodPool
+from plugin.core.types import EngineMetrics, Pod
+
+log = logging.getLogger(__name__)
+
+# Sample names per engine field, first match wins (vLLM, older vLLM, SGLang).
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_WANTED = frozenset(_RUNNING + _WAITING + _KV)
+
+
+def parse_engine_metrics(text: str) -> EngineMetrics:
+    """Sum each wanted sample across label sets (one engine may label by model)."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _WANTED:
+                found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+
+    def first(names: tuple[str, ...]) -> float | None:
+        for name in names:
+            value = found.get(name)
+            if value is not None and not math.isnan(value):
+                return value
+        return None
+
+    return EngineMetrics(running=first(_RUNNING), waiting=first(_WAITING), kv_usage=first(_KV))
+
+
+class MetricsScraper:
+    def __init__(
+        self,
+        pool: PodPool,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._clock = clock
+        self._failing: set[str] = set()
+        self.errors_total: dict[str, int] = {}
+
+    async def _scrape(self, session: aiohttp.ClientSession, pod: Pod) -> None:
+        host = f"[{pod.address}]" if ":" in pod.address else pod.address
+        url = f"http://{host}:{pod.metrics_port}/metrics"
+        try:
+            async with session.get(url, timeout=self._timeout) as resp:
+                resp.raise_for_status()
+                text = await resp.text()
+            metrics = parse_engine_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self.errors_total[pod.key] = self.errors_total.get(pod.key, 0) + 1
+            if pod.key not in self._failing:
+                self._failing.add(pod.key)
+                log.warning(
+                    "metrics scrape of %s (%s) failed: %r; its metrics go stale", pod.key, url, exc
+                )
+            return
+        if pod.key in self._failing:
+            self._failing.discard(pod.key)
+            log.info("metrics scrape of %s recovered", pod.key)
+        self._pool.update_metrics(pod.key, metrics, self._clock())
+
+    async def tick(self, session: aiohttp.ClientSession) -> None:
+        pods = self._pool.pods()
+        if pods:
+            await asyncio.gather(*(self._scrape(session, p) for p in pods))
+        self._pool.refresh_capacity(self._clock())
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            next_at = self._clock()
+            while True:
+                try:
+                    await self.tick(session)
+                except Exception:  # a bug here must not stop scraping for good
+                    log.exception("metrics refresh failed")
+                next_at += self._interval_s
+                await asyncio.sleep(max(0.0, next_at - self._clock()))

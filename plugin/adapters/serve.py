@@ -1,0 +1,137 @@
+"""`hetero-gateway serve`: wires config, discovery, scraper, gRPC and HTTP together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from plugin.adapters.discovery import PodSource
+from plugin.adapters.extproc import ExtProcServicer
+from plugin.adapters.http import build_app
+from plugin.adapters.scraper import MetricsScraper
+from plugin.config import Settings
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import PodPool
+from plugin.core.router import Router
+from plugin.core.strategies import build_strategies
+from plugin.core.types import Pod
+
+log = logging.getLogger("hetero_gateway")
+
+
+class Gateway:
+    """A running plugin: gRPC ext_proc + health, HTTP endpoints, discovery and scraping."""
+
+    def __init__(self, settings: Settings, source: PodSource, host: str = "0.0.0.0") -> None:
+        self.settings = settings
+        self.source = source
+        self.host = host
+        self.pool = PodPool(
+            CapacityEstimator(settings.capacity_window_s, settings.capacity_tau_s),
+            settings.metrics_max_age_s,
+        )
+        self.router = Router(
+            self.pool,
+            build_strategies(settings.strategy),
+            settings.default_strategy,
+            random.Random(),
+            time.monotonic,
+        )
+        self.servicer = ExtProcServicer(self.router)
+        self.scraper = MetricsScraper(
+            self.pool,
+            interval_s=settings.metric_refresh_interval_s,
+            timeout_s=settings.scrape_timeout_s,
+        )
+        self.health = HealthServicer()
+        self.grpc_port = 0
+        self.http_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _on_pods(self, pods: list[Pod]) -> None:
+        first = not self.pool.loaded
+        self.pool.set_pods(pods)
+        if first:
+            log.info("pod discovery loaded: %d pods, models %s", len(pods), self.pool.models())
+            self._tasks.append(asyncio.ensure_future(self._set_serving()))
+
+    async def _set_serving(self) -> None:
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(
+            "envoy.service.ext_proc.v3.ExternalProcessor",
+            health_pb2.HealthCheckResponse.SERVING,
+        )
+
+    async def start(self) -> None:
+        limit = self.settings.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit + 64 * 1024),  # room for the envelope
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_concurrent_streams", 100000),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc_port = server.add_insecure_port(f"{self.host}:{self.settings.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"cannot bind gRPC port {self.settings.grpc_port}")
+        await server.start()
+        self._server = server
+
+        runner = web.AppRunner(
+            build_app(self.pool, self.servicer.errors, self.scraper), access_log=None
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.settings.http_port)
+        await site.start()
+        self._runner = runner
+        addresses = runner.addresses
+        self.http_port = int(addresses[0][1]) if addresses else self.settings.http_port
+
+        self._tasks.append(asyncio.ensure_future(self.source.run(self._on_pods)))
+        self._tasks.append(asyncio.ensure_future(self.scraper.run()))
+        log.info(
+            "ext_proc gRPC on %s:%d, HTTP on %s:%d",
+            self.host,
+            self.grpc_port,
+            self.host,
+            self.http_port,
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+async def run_until_signal(gateway: Gateway) -> None:
+    await gateway.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await gateway.stop()

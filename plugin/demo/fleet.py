@@ -1,0 +1,277 @@
+"""A whole local stack as child processes: mock engines, the plugin, a real Envoy.
+
+`hetero-gateway up` runs it for people; the data-plane tests run the same class, so what the
+README promises is what CI exercises. Every process is stopped by `stop()`, also after a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, envoy_binary
+from plugin.mock_engine.model import PRESETS, EngineParams, saturated_output_tokens_per_s
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    model: str = "llama-3-8b"
+    presets: tuple[str, ...] = ("a100", "l20", "v100")
+    time_scale: float = 4.0
+    tokens_per_chunk: int = 8
+    max_num_seqs: int | None = None
+    listen_port: int = 8888
+    namespace: str = "default"
+    fail_open: bool = False
+    plugin_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineProc:
+    name: str
+    preset: str
+    port: int
+    params: EngineParams
+    proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def saturated_tokens_per_s(self) -> float:
+        return saturated_output_tokens_per_s(self.params)
+
+
+class StartError(RuntimeError):
+    """A child process did not come up; the message carries the tail of its log."""
+
+
+class LocalFleet:
+    def __init__(self, spec: FleetSpec, workdir: str | None = None) -> None:
+        self.spec = spec
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="hetero-gateway-")
+        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.engines: list[EngineProc] = []
+        counts: dict[str, int] = {}
+        for preset in spec.presets:
+            index = counts.get(preset, 0)
+            counts[preset] = index + 1
+            params = replace(
+                PRESETS[preset], time_scale=spec.time_scale, tokens_per_chunk=spec.tokens_per_chunk
+            )
+            if spec.max_num_seqs is not None:
+                params = replace(params, max_num_seqs=spec.max_num_seqs)
+            self.engines.append(EngineProc(f"{preset}-{index}", preset, free_port(), params))
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.admin_port = free_port()
+        self.plugin: asyncio.subprocess.Process | None = None
+        self.envoy: asyncio.subprocess.Process | None = None
+        self._logs: dict[str, Path] = {}
+
+    @property
+    def envoy_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.listen_port}"
+
+    @property
+    def plugin_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def pods_file(self) -> Path:
+        return self.workdir / "pods.yaml"
+
+    def pods_document(self) -> dict[str, object]:
+        return {
+            "models": {
+                self.spec.model: {
+                    "pods": [
+                        {
+                            "name": e.name,
+                            "namespace": self.spec.namespace,
+                            "address": "127.0.0.1",
+                            "port": e.port,
+                            "engine": "vllm",
+                            "labels": {"gpu": e.preset},
+                        }
+                        for e in self.engines
+                    ]
+                }
+            }
+        }
+
+    async def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> asyncio.subprocess.Process:
+        log = self.workdir / f"{name}.log"
+        self._logs[name] = log
+        with open(log, "wb") as fh:
+            return await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=fh,
+                stderr=subprocess_stdout(),
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self._logs.get(name)
+        if path is None or not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    async def _wait_http(
+        self, name: str, proc: asyncio.subprocess.Process, url: str, timeout_s: float = 30.0
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if proc.returncode is not None:
+                    break
+                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                    async with session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.1)
+        raise StartError(f"{name} did not become ready at {url}:\n{self.log_tail(name)}")
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        py = [sys.executable, "-m", "plugin"]
+        for e in self.engines:
+            p = e.params
+            e.proc = await self._spawn(
+                e.name,
+                [
+                    *py,
+                    "mock-engine",
+                    "--preset",
+                    e.preset,
+                    "--name",
+                    e.name,
+                    "--model",
+                    self.spec.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(e.port),
+                    "--time-scale",
+                    repr(p.time_scale),
+                    "--tokens-per-chunk",
+                    str(p.tokens_per_chunk),
+                    "--max-num-seqs",
+                    str(p.max_num_seqs),
+                ],
+            )
+        for e in self.engines:
+            assert e.proc is not None
+            await self._wait_http(e.name, e.proc, f"{e.url}/health")
+
+        self.pods_file.write_text(yaml.safe_dump(self.pods_document(), sort_keys=False))
+        env = {**os.environ, **self.spec.plugin_env}
+        self.plugin = await self._spawn(
+            "plugin",
+            [
+                *py,
+                "serve",
+                "--pods",
+                str(self.pods_file),
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(self.grpc_port),
+                "--http-port",
+                str(self.http_port),
+            ],
+            env=env,
+        )
+        await self._wait_http("plugin", self.plugin, f"{self.plugin_url}/readyz")
+
+        opts = EnvoyOptions(
+            listen_host="127.0.0.1",
+            listen_port=self.spec.listen_port,
+            admin_port=self.admin_port,
+            extproc_port=self.grpc_port,
+            fail_open=self.spec.fail_open,
+        )
+        bootstrap = self.workdir / "envoy.yaml"
+        bootstrap.write_text(bootstrap_yaml(opts))
+        self.envoy = await self._spawn(
+            "envoy",
+            [
+                envoy_binary(),
+                "-c",
+                str(bootstrap),
+                "--log-level",
+                "warn",
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+            ],
+        )
+        await self._wait_http("envoy", self.envoy, f"http://127.0.0.1:{self.admin_port}/ready")
+
+    async def stop_process(self, proc: asyncio.subprocess.Process | None) -> None:
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def stop(self) -> None:
+        await self.stop_process(self.envoy)
+        await self.stop_process(self.plugin)
+        await asyncio.gather(*(self.stop_process(e.proc) for e in self.engines))
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def __aenter__(self) -> LocalFleet:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def subprocess_stdout() -> int:
+    return asyncio.subprocess.STDOUT
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc); None where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
