@@ -1,0 +1,268 @@
+"""Data plane: a real Envoy, the plugin and mock engines as separate processes on loopback.
+
+Everything goes through Envoy's listener exactly as a client's request would. One stack serves
+the whole module (starting it takes a few seconds); tests that need counts compare deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from plugin.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "llama-3-8b"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[LocalFleet]:
+    spec = FleetSpec(
+        model=MODEL,
+        time_scale=2.0,
+        tokens_per_chunk=4,
+        listen_port=free_port(),
+        plugin_env={"AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "500"},
+    )
+    async with LocalFleet(spec) as f:
+        yield f
+
+
+async def pods_state(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[str, Any]:
+    async with session.get(f"{fleet.plugin_url}/debug/pods") as resp:
+        doc: dict[str, Any] = orjson.loads(await resp.read())
+    return doc
+
+
+async def engine_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    )
+
+
+async def wait_idle(session: aiohttp.ClientSession, fleet: LocalFleet, timeout: float = 30) -> None:
+    """Until the plugin counts nothing in flight and no engine runs or queues anything."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await pods_state(session, fleet)
+        inflight = sum(p["inflight"] for p in state["pods"].values())
+        running = 0.0
+        for e in fleet.engines:
+            running += await engine_metric(session, e.url, "vllm:num_requests_running")
+            running += await engine_metric(session, e.url, "vllm:num_requests_waiting")
+        if inflight == 0 and running == 0 and not state["inflight_removed_pods"]:
+            return
+        assert time.monotonic() < deadline, f"still busy: inflight={inflight} engines={running}"
+        await asyncio.sleep(0.2)
+
+
+def chat(max_tokens: int = 8, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def test_non_streaming_request_is_steered_and_annotated(fleet: LocalFleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{fleet.envoy_url}/v1/chat/completions",
+            json=chat(5),
+            headers={"routing-strategy": "least-request"},
+        ) as resp:
+            assert resp.status == 200
+            doc = await resp.json()
+            pod = resp.headers["target-pod"]
+            # The engine that really served it is the one the plugin named.
+            assert resp.headers["x-mock-engine"] == pod
+            assert resp.headers["routing-strategy"] == "least-request"
+            assert resp.headers["request-id"]
+            engine = next(e for e in fleet.engines if e.name == pod)
+            assert resp.headers["target-pod-ip"] == f"127.0.0.1:{engine.port}"
+        assert doc["usage"]["completion_tokens"] == 5
+        await wait_idle(session, fleet)
+        state = await pods_state(session, fleet)
+        assert state["pods"][f"default/{pod}"]["output_tokens_total"] >= 5
+
+
+async def test_load_balance_follows_capacity_and_counts_every_token(fleet: LocalFleet) -> None:
+    saturated = {e.name: e.saturated_tokens_per_s for e in fleet.engines}
+    capacity_share = {k: v / sum(saturated.values()) for k, v in saturated.items()}
+    out = LengthDist(median=24, sigma=0.5, low=4, high=96)
+    rate = 0.7 * sum(saturated.values()) / out.mean()
+    async with aiohttp.ClientSession() as session:
+        await wait_idle(session, fleet)
+        before_plugin = await pods_state(session, fleet)
+        before_engine = {
+            e.name: await engine_metric(session, e.url, "vllm:generation_tokens_total")
+            for e in fleet.engines
+        }
+        workload = Workload(
+            rate_per_s=rate,
+            duration_s=25.0,
+            prompt_words=LengthDist(median=16, sigma=0.5, low=2, high=64),
+            output_tokens=out,
+            seed=7,
+        )
+        results = await run_open_loop(
+            fleet.envoy_url, MODEL, workload, strategy="load-balance", request_timeout_s=60
+        )
+        await wait_idle(session, fleet)
+        after_plugin = await pods_state(session, fleet)
+        after_engine = {
+            e.name: await engine_metric(session, e.url, "vllm:generation_tokens_total")
+            for e in fleet.engines
+        }
+
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+    # Shares in the second half, once capacity has been learned.
+    late = [r for r in results if r.started_at >= 12.5]
+    share = {name: sum(r.replica == name for r in late) / len(late) for name in saturated}
+    assert share["a100-0"] > share["l20-0"] and share["a100-0"] > share["v100-0"], share
+    for name in saturated:
+        assert abs(share[name] - capacity_share[name]) < 0.15, (share, capacity_share)
+    # The plugin counted exactly the tokens each engine generated.
+    for name in saturated:
+        key = f"default/{name}"
+        counted = (
+            after_plugin["pods"][key]["output_tokens_total"]
+            - before_plugin["pods"][key]["output_tokens_total"]
+        )
+        generated = after_engine[name] - before_engine[name]
+        assert counted == generated, (name, counted, generated)
+        assert counted == sum(r.output_tokens for r in results if r.replica == name)
+        assert after_plugin["pods"][key]["capacity_tokens_per_s"] > 0
+
+
+BAD_JSON = b"{not json"
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "header", "code"),
+    [
+        pytest.param(
+            BAD_JSON, {}, 400, ("x-error-request-body-processing", "true"), None, id="bad-json"
+        ),
+        pytest.param(
+            orjson.dumps({"messages": []}),
+            {},
+            400,
+            ("x-error-no-model-backends", "true"),
+            "model_not_found",
+            id="no-model",
+        ),
+        pytest.param(
+            orjson.dumps({**chat(), "model": "nope"}),
+            {},
+            400,
+            ("x-error-no-model-backends", "nope"),
+            "model_not_found",
+            id="unknown-model",
+        ),
+        pytest.param(
+            orjson.dumps(chat()),
+            {"routing-strategy": "fastest"},
+            400,
+            ("x-error-routing", "true"),
+            None,
+            id="unknown-strategy",
+        ),
+    ],
+)
+async def test_errors_through_envoy(
+    fleet: LocalFleet,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    header: tuple[str, str],
+    code: str | None,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{fleet.envoy_url}/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json", **headers},
+        ) as resp:
+            assert resp.status == status
+            assert resp.headers.get(header[0]) == header[1]
+            doc = orjson.loads(await resp.read())
+    assert set(doc["error"]) == {"message", "type", "param", "code"}
+    assert doc["error"]["type"] == "invalid_request_error"
+    assert doc["error"]["code"] == code
+
+
+async def test_no_ready_pod_is_503_and_pods_file_is_reread(fleet: LocalFleet) -> None:
+    doc = yaml.safe_load(fleet.pods_file.read_text())
+    doc["models"]["offline-model"] = {
+        "pods": [
+            {
+                "name": "down-0",
+                "address": "127.0.0.1",
+                "port": fleet.engines[0].port,
+                "ready": False,
+            }
+        ]
+    }
+    fleet.pods_file.write_text(yaml.safe_dump(doc))
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + 10
+        while "default/down-0" not in (await pods_state(session, fleet))["pods"]:
+            assert time.monotonic() < deadline, "pods file change not picked up"
+            await asyncio.sleep(0.2)
+        async with session.post(
+            f"{fleet.envoy_url}/v1/chat/completions", json={**chat(), "model": "offline-model"}
+        ) as resp:
+            assert resp.status == 503
+            assert resp.headers.get("x-error-no-model-backends") == "true"
+            err = (await resp.json())["error"]
+    assert err["type"] == "overloaded_error"
+    assert "offline-model" in err["message"]
+
+
+async def test_client_disconnect_mid_stream_releases_everything(fleet: LocalFleet) -> None:
+    async with aiohttp.ClientSession() as session:
+        await wait_idle(session, fleet)
+
+        async def read_one_chunk_then_drop() -> str:
+            s = aiohttp.ClientSession()
+            try:
+                resp = await s.post(
+                    f"{fleet.envoy_url}/v1/chat/completions",
+                    json=chat(max_tokens=2000, stream=True),
+                )
+                assert resp.status == 200
+                await resp.content.readline()
+                pod = resp.headers["target-pod"]
+                resp.close()  # drop the connection mid-stream
+                return pod
+            finally:
+                await s.close()
+
+        pods = await asyncio.gather(*(read_one_chunk_then_drop() for _ in range(12)))
+        assert len(pods) == 12
+        # The plugin's in-flight counts and the engines' running sequences return to zero.
+        await wait_idle(session, fleet, timeout=30)
+        state = await pods_state(session, fleet)
+    assert all(p["inflight"] == 0 for p in state["pods"].values())
