@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -48,7 +49,7 @@ def test_step_response_follows_window_and_ewma() -> None:
     for _ in range(10):
         t = drive(est, "ns/a", 400, t, t + 1)
         seen.append(est.estimate("ns/a"))
-    assert all(b > a for a, b in zip(seen, seen[1:], strict=False))
+    assert all(b > a for a, b in itertools.pairwise(seen))
     assert all(100 < v < 400 for v in seen if v is not None)
     # 10 s after the step the window rate is 100 + 300 * 10/60 = 150: estimate is below that.
     assert seen[-1] is not None and seen[-1] < 150

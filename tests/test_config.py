@@ -72,3 +72,11 @@ def test_every_variable_read_is_documented() -> None:
     read = set(re.findall(r'"((?:AIBRIX|HETERO_GATEWAY|ROUTING)_[A-Z_]+)"', source))
     assert len(read) >= 10
     assert read <= {v.name for v in ENV_VARS}
+
+
+def test_readme_documents_every_variable() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for var in ENV_VARS:
+        assert f"| `{var.name}` |" in readme, var.name

@@ -56,9 +56,9 @@ async def engine_metric(session: aiohttp.ClientSession, url: str, name: str) -> 
     )
 
 
-async def wait_idle(session: aiohttp.ClientSession, fleet: LocalFleet, timeout: float = 30) -> None:
+async def wait_idle(session: aiohttp.ClientSession, fleet: LocalFleet, limit_s: float = 30) -> None:
     """Until the plugin counts nothing in flight and no engine runs or queues anything."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit_s
     while True:
         state = await pods_state(session, fleet)
         inflight = sum(p["inflight"] for p in state["pods"].values())
@@ -199,15 +199,17 @@ async def test_errors_through_envoy(
     header: tuple[str, str],
     code: str | None,
 ) -> None:
-    async with aiohttp.ClientSession() as session:
-        async with session.post(
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
             f"{fleet.envoy_url}/v1/chat/completions",
             data=body,
             headers={"content-type": "application/json", **headers},
-        ) as resp:
-            assert resp.status == status
-            assert resp.headers.get(header[0]) == header[1]
-            doc = orjson.loads(await resp.read())
+        ) as resp,
+    ):
+        assert resp.status == status
+        assert resp.headers.get(header[0]) == header[1]
+        doc = orjson.loads(await resp.read())
     assert set(doc["error"]) == {"message", "type", "param", "code"}
     assert doc["error"]["type"] == "invalid_request_error"
     assert doc["error"]["code"] == code
@@ -263,6 +265,6 @@ async def test_client_disconnect_mid_stream_releases_everything(fleet: LocalFlee
         pods = await asyncio.gather(*(read_one_chunk_then_drop() for _ in range(12)))
         assert len(pods) == 12
         # The plugin's in-flight counts and the engines' running sequences return to zero.
-        await wait_idle(session, fleet, timeout=30)
+        await wait_idle(session, fleet, limit_s=30)
         state = await pods_state(session, fleet)
     assert all(p["inflight"] == 0 for p in state["pods"].values())
