@@ -389,12 +389,14 @@ async def test_stream_format(
     obj = "chat.completion.chunk" if chat else "text_completion"
     assert {c["object"] for c in chunks} == {obj}
     assert len({c["id"] for c in chunks}) == 1
-    assert len(content) == math.ceil(max_tokens / k)
+    # The first token streams alone, then groups of k.
+    rest = max_tokens - 1
+    assert len(content) == 1 + math.ceil(rest / k)
     texts = [
         c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"] for c in content
     ]
     counts = [len(t.split()) for t in texts]
-    assert counts == [k] * (max_tokens // k) + ([max_tokens % k] if max_tokens % k else [])
+    assert counts == [1] + [k] * (rest // k) + ([rest % k] if rest % k else [])
     reasons = [c["choices"][0]["finish_reason"] for c in content]
     assert reasons == [None] * (len(content) - 1) + ["length"]
     if include_usage:

@@ -211,8 +211,8 @@ class MockEngine:
                 req.finished = True
                 self.request_success_total += 1
                 req.wake.set()
-            elif generated % req.wake_every == 0:
-                req.wake.set()
+            elif generated == 1 or (generated - 1) % req.wake_every == 0:
+                req.wake.set()  # the first token goes out at once, then groups of k
         if continuing and self._last_delivery is not None:
             self.tpot.observe(now - self._last_delivery, continuing)
         self._last_delivery = now
@@ -471,8 +471,9 @@ async def _stream(
                 return resp  # cut the stream: no [DONE], the client sees it incomplete
             ready, finished = req.ready, req.finished
             parts: list[bytes] = []
-            while ready - sent >= k or (finished and sent < ready):
-                n = min(k, ready - sent)
+            # The first token streams alone (TTFT is real); then groups of k tokens.
+            while ready - sent >= (1 if sent == 0 else k) or (finished and sent < ready):
+                n = min(1 if sent == 0 else k, ready - sent)
                 last = finished and sent + n == ready
                 parts.append(shape.chunk(_TOKEN_TEXT * n, "length" if last else None, sent == 0))
                 sent += n
