@@ -24,8 +24,7 @@ from typing import Any
 
 import yaml
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
-"""gRPC's default max receive size; AIBrix's `AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES` default."""
+from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
 
 MAX_MESSAGE_ENV = "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"
 
@@ -387,19 +386,14 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def _max_request_bytes_from_env() -> int:
-    raw = os.environ.get(MAX_MESSAGE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_REQUEST_BYTES
+    """The plugin's own setting (plugin.config), so Envoy's limit and gRPC's cannot drift."""
+    from plugin.config import load_settings
+    from plugin.errors import ConfigError
+
     try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not 0 < value <= _INT32_MAX:
-        raise SystemExit(
-            f"hetero-gateway envoy-config: {MAX_MESSAGE_ENV}={raw!r} is not a positive "
-            f"integer number of bytes (at most {_INT32_MAX})"
-        )
-    return value
+        return load_settings().max_message_bytes
+    except ConfigError as exc:
+        raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
 
 
 def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
