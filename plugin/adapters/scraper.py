@@ -29,21 +29,29 @@ _WANTED = frozenset(_RUNNING + _WAITING + _KV)
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
-    """Sum each wanted sample across label sets (one engine may label by model)."""
-    found: dict[str, float] = {}
+    """Combine each wanted sample across label sets (one pod may label by model or by engine).
+
+    Request counts add up; KV usage is a fraction, so label sets (say, data-parallel engines)
+    are averaged. A NaN label set is skipped rather than spoiling the others.
+    """
+    found: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _WANTED:
-                found[sample.name] = found.get(sample.name, 0.0) + float(sample.value)
+                value = float(sample.value)
+                if not math.isnan(value):
+                    found.setdefault(sample.name, []).append(value)
 
-    def first(names: tuple[str, ...]) -> float | None:
+    def first(names: tuple[str, ...], mean: bool = False) -> float | None:
         for name in names:
-            value = found.get(name)
-            if value is not None and not math.isnan(value):
-                return value
+            values = found.get(name)
+            if values:
+                return sum(values) / len(values) if mean else sum(values)
         return None
 
-    return EngineMetrics(running=first(_RUNNING), waiting=first(_WAITING), kv_usage=first(_KV))
+    return EngineMetrics(
+        running=first(_RUNNING), waiting=first(_WAITING), kv_usage=first(_KV, mean=True)
+    )
 
 
 class MetricsScraper:

@@ -78,15 +78,21 @@ class Gateway:
         limit = self.settings.max_message_bytes
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", limit + 64 * 1024),  # room for the envelope
+                # Room for the ProcessingRequest envelope around a body of exactly `limit` bytes.
+                ("grpc.max_receive_message_length", min(limit + 64 * 1024, 2**31 - 1)),
                 ("grpc.max_send_message_length", limit),
+                # A second gateway on a busy port must fail, not silently share the streams.
+                ("grpc.so_reuseport", 0),
                 ("grpc.max_concurrent_streams", 100000),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.grpc_port = server.add_insecure_port(f"{self.host}:{self.settings.grpc_port}")
+        try:
+            self.grpc_port = server.add_insecure_port(f"{self.host}:{self.settings.grpc_port}")
+        except RuntimeError as exc:  # grpc raises RuntimeError for a busy port
+            raise OSError(f"cannot bind gRPC port {self.settings.grpc_port}: {exc}") from None
         if self.grpc_port == 0:
             raise OSError(f"cannot bind gRPC port {self.settings.grpc_port}")
         await server.start()
@@ -125,12 +131,12 @@ class Gateway:
 
 
 async def run_until_signal(gateway: Gateway) -> None:
-    await gateway.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        await gateway.start()  # inside try: a failed HTTP bind still stops the gRPC server
         await stop.wait()
     finally:
         log.info("shutting down")

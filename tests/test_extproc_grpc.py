@@ -1,0 +1,650 @@
+"""The running plugin over its real wire protocols: ext_proc gRPC, gRPC health, and HTTP.
+
+A real `Gateway` is started in-process on loopback (ports chosen by the OS) and driven by a
+grpc.aio client that sends `ProcessingRequest`s the way Envoy does, one phase at a time. The pods
+point at loopback ports that are reserved but not listening: no request is forwarded anywhere
+(that is Envoy's job), and their failing scrapes only leave engine metrics missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+import pytest_asyncio
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
+from plugin.adapters.serve import Gateway
+from plugin.config import Settings, load_settings
+from plugin.core.types import Pod
+
+MODEL = "m"
+WAIT_S = 5.0  # bound of every "until" wait; a passing run waits a few milliseconds
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+CHAT = "/v1/chat/completions"
+COMPLETION_TOKENS = 17
+
+
+# --- Envoy-shaped messages ----------------------------------------------------------------------
+
+
+def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
+    # Envoy (>= 1.27) sends values in raw_value and leaves value empty.
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    )
+
+
+def request_headers(
+    path: str = CHAT,
+    method: str = "POST",
+    *,
+    request_id: str | None = "req-1",
+    strategy: str | None = None,
+    end_of_stream: bool = False,
+) -> pb.ProcessingRequest:
+    headers = {
+        ":authority": "localhost:8888",
+        ":path": path,
+        ":method": method,
+        ":scheme": "http",
+        "content-type": "application/json",
+        "user-agent": "test",
+    }
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    if strategy is not None:
+        headers["routing-strategy"] = strategy
+    return pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
+    )
+
+
+def request_body(body: bytes | dict[str, Any]) -> pb.ProcessingRequest:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+
+def response_headers(status: int = 200, end_of_stream: bool = False) -> pb.ProcessingRequest:
+    headers = {":status": str(status), "content-type": "text/event-stream"}
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
+    )
+
+
+def response_body(chunk: bytes, end_of_stream: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk, end_of_stream=end_of_stream))
+
+
+CHAT_BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "hello"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def sse_chunks(completion_tokens: int = COMPLETION_TOKENS) -> list[bytes]:
+    """A streamed chat response cut where a network would cut it (mid-line included)."""
+    events = b"".join(
+        _sse({"id": "c1", "choices": [{"index": 0, "delta": {"content": f"t{i}"}}], "usage": None})
+        for i in range(3)
+    )
+    usage = _sse(
+        {
+            "id": "c1",
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": completion_tokens,
+                "total_tokens": 5 + completion_tokens,
+            },
+        }
+    )
+    whole = events + usage + b"data: [DONE]\n\n"
+    cut1, cut2 = len(events) // 2, len(events) + len(usage) // 2
+    return [whole[:cut1], whole[cut1:cut2], whole[cut2:]]
+
+
+def set_headers(mutation: pb.HeaderMutation) -> dict[str, bytes]:
+    return {h.header.key: h.header.raw_value for h in mutation.set_headers}
+
+
+def set_header_values(mutation: pb.HeaderMutation) -> dict[str, str]:
+    """The `value` fields, which must stay empty: Envoy rejects overrides set through them."""
+    return {h.header.key: h.header.value for h in mutation.set_headers}
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reserved_ports() -> Iterator[list[int]]:
+    """Two loopback ports bound but not listening: connections are refused, nobody takes them."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        yield [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def pods_file(tmp_path: Path, reserved_ports: list[int]) -> Path:
+    doc = {
+        "models": {
+            MODEL: {
+                "pods": [
+                    {"name": "a", "address": "127.0.0.1", "port": reserved_ports[0]},
+                    {"name": "b", "address": "127.0.0.1", "port": reserved_ports[1]},
+                ]
+            }
+        }
+    }
+    path = tmp_path / "pods.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+def _settings() -> Settings:
+    return dataclasses.replace(
+        load_settings({}), grpc_port=0, http_port=0, metric_refresh_interval_s=30.0
+    )
+
+
+@dataclass
+class Running:
+    gateway: Gateway
+    channel: grpc.aio.Channel
+    stub: pb_grpc.ExternalProcessorStub
+    pods: dict[str, Pod]  # by endpoint
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
+    def key_of(self, endpoint: bytes | str) -> str:
+        text = endpoint.decode() if isinstance(endpoint, bytes) else endpoint
+        return self.pods[text].key
+
+
+@pytest_asyncio.fixture
+async def running(pods_file: Path) -> AsyncIterator[Running]:
+    gateway = Gateway(_settings(), StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
+    await gateway.start()
+    try:
+        assert gateway.grpc_port > 0 and gateway.http_port > 0
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            pods = {p.endpoint: p for p in load_pods_file(str(pods_file))}
+            yield Running(gateway, channel, pb_grpc.ExternalProcessorStub(channel), pods)
+    finally:
+        await gateway.stop()
+
+
+class Stream:
+    """One ext_proc stream, driven phase by phase like Envoy: write a message, read its reply."""
+
+    def __init__(self, stub: pb_grpc.ExternalProcessorStub) -> None:
+        self.call = stub.Process()
+
+    async def send(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        await self.call.write(req)
+        async with asyncio.timeout(WAIT_S):
+            reply = await self.call.read()
+        assert reply is not grpc.aio.EOF
+        assert isinstance(reply, pb.ProcessingResponse)
+        return reply
+
+    async def finish(self) -> None:
+        await self.call.done_writing()
+        async with asyncio.timeout(WAIT_S):
+            assert await self.call.read() is grpc.aio.EOF
+            assert await self.call.code() == grpc.StatusCode.OK
+
+
+async def _eventually(check: Any, what: str) -> None:
+    """Poll a condition the server reaches asynchronously; fail after WAIT_S."""
+    for _ in range(int(WAIT_S / 0.01)):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+async def _route(r: Running, strategy: str | None = None) -> tuple[Stream, str]:
+    """Open a stream and take it through request headers and body; returns (stream, pod key)."""
+    stream = Stream(r.stub)
+    reply = await stream.send(request_headers(strategy=strategy))
+    assert reply == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    reply = await stream.send(request_body(CHAT_BODY))
+    assert reply.WhichOneof("response") == "request_body"
+    target = set_headers(reply.request_body.response.header_mutation)["target-pod"]
+    return stream, r.key_of(target)
+
+
+# --- the routed request -------------------------------------------------------------------------
+
+
+async def test_routed_streaming_request_full_cycle(running: Running) -> None:
+    r = running
+    pool = r.gateway.pool
+    stream = Stream(r.stub)
+
+    reply = await stream.send(request_headers(request_id="req-1"))
+    assert reply == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+    reply = await stream.send(request_body(CHAT_BODY))
+    assert reply.WhichOneof("response") == "request_body"
+    mutation = reply.request_body.response.header_mutation
+    headers = set_headers(mutation)
+    endpoint = headers["target-pod"].decode()
+    assert endpoint in r.pods
+    assert headers["x-gateway-destination-endpoint"] == endpoint.encode()
+    assert headers["routing-strategy"] == b"load-balance"
+    assert headers["x-request-id"] == b"req-1"
+    assert set(set_header_values(mutation).values()) == {""}  # raw_value only, never value
+    lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == endpoint
+
+    key = r.key_of(endpoint)
+    other = next(p.key for p in r.pods.values() if p.key != key)
+    assert (pool.inflight(key), pool.routed_total(key)) == (1, 1)
+    assert (pool.inflight(other), pool.routed_total(other)) == (0, 0)
+
+    reply = await stream.send(response_headers(200))
+    assert reply.WhichOneof("response") == "response_headers"
+    mutation = reply.response_headers.response.header_mutation
+    assert set_headers(mutation) == {
+        "request-id": b"req-1",
+        "routing-strategy": b"load-balance",
+        "target-pod": r.pods[endpoint].name.encode(),
+        "target-pod-ip": endpoint.encode(),
+    }
+    assert set(set_header_values(mutation).values()) == {""}
+
+    *middle, last = sse_chunks(COMPLETION_TOKENS)
+    for chunk in middle:
+        assert await stream.send(response_body(chunk)) == pb.ProcessingResponse(
+            response_body=pb.BodyResponse()
+        )
+        assert pool.inflight(key) == 1  # still streaming
+    assert await stream.send(response_body(last, end_of_stream=True)) == pb.ProcessingResponse(
+        response_body=pb.BodyResponse()
+    )
+    # Released at the body's end, before the stream itself closes.
+    assert pool.inflight(key) == 0
+    assert pool.output_tokens_total(key) == COMPLETION_TOKENS
+    assert pool.output_tokens_total(other) == 0
+
+    await stream.finish()
+    assert pool.inflight(key) == 0  # the stream's end does not release a second time
+    assert pool.output_tokens_total(key) == COMPLETION_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("strategy", "echoed"),
+    [(None, "load-balance"), ("least-request", "least-request"), ("random", "random")],
+    ids=["default", "least-request", "random"],
+)
+async def test_strategy_header_is_used_and_echoed(
+    running: Running, strategy: str | None, echoed: str
+) -> None:
+    stream = Stream(running.stub)
+    await stream.send(request_headers(strategy=strategy))
+    reply = await stream.send(request_body(CHAT_BODY))
+    assert set_headers(reply.request_body.response.header_mutation)["routing-strategy"] == (
+        echoed.encode()
+    )
+    reply = await stream.send(response_headers(200))
+    assert set_headers(reply.response_headers.response.header_mutation)["routing-strategy"] == (
+        echoed.encode()
+    )
+    await stream.send(response_body(b"", end_of_stream=True))
+    await stream.finish()
+
+
+async def test_missing_request_id_gets_a_generated_one(running: Running) -> None:
+    stream = Stream(running.stub)
+    await stream.send(request_headers(request_id=None))
+    reply = await stream.send(request_body(CHAT_BODY))
+    generated = set_headers(reply.request_body.response.header_mutation)["x-request-id"]
+    assert len(generated) == 32 and int(generated, 16) >= 0
+    reply = await stream.send(response_headers(200))
+    assert set_headers(reply.response_headers.response.header_mutation)["request-id"] == generated
+    await stream.send(response_body(b"", end_of_stream=True))
+    await stream.finish()
+
+
+async def test_in_flight_requests_steer_least_request(running: Running) -> None:
+    pool = running.gateway.pool
+    first, key1 = await _route(running, "least-request")
+    second, key2 = await _route(running, "least-request")
+    assert key1 != key2  # the first one's in-flight slot made its pod the busier one
+    assert (pool.inflight(key1), pool.inflight(key2)) == (1, 1)
+    for stream, key in ((first, key1), (second, key2)):
+        await stream.send(response_headers(200))
+        await stream.send(response_body(b"".join(sse_chunks(3)), end_of_stream=True))
+        await stream.finish()
+        assert pool.inflight(key) == 0
+        assert pool.output_tokens_total(key) == 3
+
+
+async def test_upstream_error_releases_without_crediting_tokens(running: Running) -> None:
+    pool = running.gateway.pool
+    stream, key = await _route(running)
+    await stream.send(response_headers(500))
+    await stream.send(response_body(b"".join(sse_chunks()), end_of_stream=True))
+    await stream.finish()
+    assert pool.inflight(key) == 0
+    assert pool.output_tokens_total(key) == 0
+
+
+async def test_header_only_response_releases(running: Running) -> None:
+    pool = running.gateway.pool
+    stream, key = await _route(running)
+    reply = await stream.send(response_headers(200, end_of_stream=True))
+    assert set_headers(reply.response_headers.response.header_mutation)["target-pod-ip"]
+    assert pool.inflight(key) == 0
+    await stream.finish()
+    assert pool.inflight(key) == 0
+
+
+@pytest.mark.parametrize(
+    "phase",
+    ["after-body-reply", "after-response-headers", "mid-response-body"],
+    ids=["after-body-reply", "after-response-headers", "mid-response-body"],
+)
+async def test_cancelled_stream_releases_in_flight(running: Running, phase: str) -> None:
+    pool = running.gateway.pool
+    stream, key = await _route(running)
+    if phase != "after-body-reply":
+        await stream.send(response_headers(200))
+    if phase == "mid-response-body":
+        await stream.send(response_body(sse_chunks()[0]))
+    assert pool.inflight(key) == 1
+
+    stream.call.cancel()
+
+    await _eventually(lambda: pool.inflight(key) == 0, f"{key} released after cancel")
+    assert pool.routed_total(key) == 1
+
+
+async def test_stream_ended_by_envoy_before_response_releases_in_flight(
+    running: Running,
+) -> None:
+    # E.g. the upstream connection failed: Envoy closes the ext_proc stream without response
+    # phases. The stream's normal end releases the slot, with no tokens credited.
+    pool = running.gateway.pool
+    stream, key = await _route(running)
+    assert pool.inflight(key) == 1
+    await stream.finish()
+    assert pool.inflight(key) == 0
+    assert pool.output_tokens_total(key) == 0
+
+
+async def test_second_gateway_cannot_take_a_busy_grpc_port(
+    running: Running, pods_file: Path
+) -> None:
+    settings = dataclasses.replace(_settings(), grpc_port=running.gateway.grpc_port)
+    second = Gateway(settings, StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
+    try:
+        with pytest.raises((OSError, RuntimeError)):
+            await second.start()
+    finally:
+        await second.stop()
+
+
+# --- passthrough --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "body"),
+    [
+        ("/v1/models", "GET", None),
+        ("/healthz", "POST", b'{"model": "m"}'),
+        ("/v1/chat/completions", "GET", None),
+        ("/v1/embeddings", "POST", b'{"model": "m", "input": "x"}'),
+    ],
+    ids=["get-models", "post-healthz", "get-chat", "post-embeddings"],
+)
+async def test_other_paths_pass_through_untouched(
+    running: Running, path: str, method: str, body: bytes | None
+) -> None:
+    pool = running.gateway.pool
+    stream = Stream(running.stub)
+    reply = await stream.send(request_headers(path, method, end_of_stream=body is None))
+    assert reply == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    if body is not None:
+        reply = await stream.send(request_body(body))
+        assert reply == pb.ProcessingResponse(request_body=pb.BodyResponse())
+    reply = await stream.send(response_headers(200))
+    assert reply == pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    reply = await stream.send(response_body(b'{"data": []}', end_of_stream=True))
+    assert reply == pb.ProcessingResponse(response_body=pb.BodyResponse())
+    await stream.finish()
+    for pod in running.pods.values():
+        assert (pool.routed_total(pod.key), pool.inflight(pod.key)) == (0, 0)
+
+
+# --- errors the plugin answers itself -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "strategy", "status", "header", "error"),
+    [
+        (
+            b"{not json",
+            None,
+            400,
+            ("x-error-request-body-processing", "true"),
+            {"type": "invalid_request_error", "code": None},
+        ),
+        (
+            b"[1, 2]",
+            None,
+            400,
+            ("x-error-request-body-processing", "true"),
+            {"type": "invalid_request_error"},
+        ),
+        (
+            b'{"messages": []}',
+            None,
+            400,
+            ("x-error-no-model-backends", "true"),
+            {"type": "invalid_request_error", "code": "model_not_found"},
+        ),
+        (
+            b'{"model": "nope"}',
+            None,
+            400,
+            ("x-error-no-model-backends", "nope"),
+            {"message": "model nope does not exist", "code": "model_not_found"},
+        ),
+        (
+            orjson.dumps(CHAT_BODY),
+            "fastest",
+            400,
+            ("x-error-routing", "true"),
+            {"message": "incorrect routing strategy fastest", "type": "invalid_request_error"},
+        ),
+    ],
+    ids=["bad-json", "json-not-object", "no-model", "unknown-model", "unknown-strategy"],
+)
+async def test_request_errors_are_immediate_responses(
+    running: Running,
+    body: bytes,
+    strategy: str | None,
+    status: int,
+    header: tuple[str, str],
+    error: dict[str, Any],
+) -> None:
+    stream = Stream(running.stub)
+    await stream.send(request_headers(strategy=strategy))
+    reply = await stream.send(request_body(body))
+
+    assert reply.WhichOneof("response") == "immediate_response"
+    immediate = reply.immediate_response
+    assert immediate.status.code == status
+    headers = set_headers(immediate.headers)
+    assert headers[header[0]] == header[1].encode()
+    assert headers["content-type"] == b"application/json"
+    doc = orjson.loads(immediate.body)
+    assert set(doc["error"]) == {"message", "type", "param", "code"}
+    assert error.items() <= doc["error"].items()
+    await stream.finish()
+
+    pool = running.gateway.pool
+    for pod in running.pods.values():
+        assert (pool.routed_total(pod.key), pool.inflight(pod.key)) == (0, 0)
+
+
+async def test_llm_request_without_body_is_400(running: Running) -> None:
+    stream = Stream(running.stub)
+    reply = await stream.send(request_headers(end_of_stream=True))
+    assert reply.immediate_response.status.code == 400
+    assert set_headers(reply.immediate_response.headers)["x-error-request-body-processing"] == (
+        b"true"
+    )
+    await stream.finish()
+
+
+# --- health and HTTP ----------------------------------------------------------------------------
+
+
+async def _health(channel: grpc.aio.Channel, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=WAIT_S)
+    return int(reply.status)
+
+
+async def test_grpc_health_serving_once_discovery_loaded(running: Running) -> None:
+    statuses: dict[str, int] = {}
+
+    async def poll() -> None:
+        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            statuses[service] = await _health(running.channel, service)
+
+    for _ in range(int(WAIT_S / 0.01)):
+        await poll()
+        if set(statuses.values()) == {SERVING}:
+            break
+        await asyncio.sleep(0.01)
+    assert statuses == {"": SERVING, "envoy.service.ext_proc.v3.ExternalProcessor": SERVING}
+
+
+class GatedSource:
+    """A pod source that delivers its list only when the test opens the gate."""
+
+    def __init__(self, pods: Sequence[Pod]) -> None:
+        self.pods = list(pods)
+        self.gate = asyncio.Event()
+
+    async def run(self, on_update: PodsCallback) -> None:
+        await self.gate.wait()
+        on_update(self.pods)
+        await asyncio.Event().wait()
+
+
+async def test_not_serving_and_not_ready_until_discovery_delivers(pods_file: Path) -> None:
+    source = GatedSource(load_pods_file(str(pods_file)))
+    gateway = Gateway(_settings(), source, "127.0.0.1")
+    await gateway.start()
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel,
+            aiohttp.ClientSession() as http,
+        ):
+            url = f"http://127.0.0.1:{gateway.http_port}/readyz"
+            assert await _health(channel) == NOT_SERVING
+            async with http.get(url) as resp:
+                assert resp.status == 503
+
+            # An LLM request before discovery: the model is unknown, answered by the plugin.
+            stream = Stream(pb_grpc.ExternalProcessorStub(channel))
+            await stream.send(request_headers())
+            reply = await stream.send(request_body(CHAT_BODY))
+            assert reply.immediate_response.status.code == 400
+            await stream.finish()
+
+            source.gate.set()
+            for _ in range(int(WAIT_S / 0.01)):
+                if await _health(channel) == SERVING:
+                    break
+                await asyncio.sleep(0.01)
+            assert await _health(channel) == SERVING
+            async with http.get(url) as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"status": "ready", "pods": 2}
+    finally:
+        await gateway.stop()
+
+
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+async def test_http_metrics_and_readiness(running: Running) -> None:
+    stream, key = await _route(running)
+    await stream.send(response_headers(200))
+    await stream.send(response_body(b"".join(sse_chunks()), end_of_stream=True))
+    await stream.finish()
+    bad = Stream(running.stub)
+    await bad.send(request_headers())
+    await bad.send(request_body(b"{not json"))
+    await bad.finish()
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{running.http}/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+        async with http.get(f"{running.http}/readyz") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"status": "ready", "pods": 2}
+        async with http.get(f"{running.http}/healthz") as resp:
+            assert resp.status == 200
+        async with http.get(f"{running.http}/debug/pods") as resp:
+            debug = await resp.json()
+
+    other = next(p.key for p in running.pods.values() if p.key != key)
+    routed = _samples(text, "hetero_gateway_routed_requests_total")
+    assert routed == {
+        (("model", MODEL), ("pod", key)): 1.0,
+        (("model", MODEL), ("pod", other)): 0.0,
+    }
+    assert _samples(text, "hetero_gateway_output_tokens_total")[
+        (("model", MODEL), ("pod", key))
+    ] == float(COMPLETION_TOKENS)
+    assert set(_samples(text, "hetero_gateway_inflight_requests").values()) == {0.0}
+    assert _samples(text, "hetero_gateway_request_errors_total") == {
+        (("reason", "BadRequestBody"), ("status", "400")): 1.0
+    }
+    assert debug["pods"][key]["routed_total"] == 1
+    assert debug["pods"][key]["output_tokens_total"] == COMPLETION_TOKENS

@@ -1,0 +1,435 @@
+"""Engine metrics: the exposition parser (unit), then the scraper against real HTTP servers.
+
+The component tests run real aiohttp servers on loopback and a fake clock, so staleness and
+capacity refresh are checked by moving time, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plugin.adapters.scraper import MetricsScraper, parse_engine_metrics
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import PodPool
+from plugin.core.strategies import StrategyParams, build_strategies
+from plugin.core.types import EngineMetrics, Pod, RequestInfo
+
+MODEL = "m"
+MAX_AGE_S = 3.0
+
+# A trimmed but faithful vLLM (V1) exposition: HELP/TYPE lines, engine + model_name labels,
+# counters and histograms around the three gauges the gateway reads.
+_L = 'engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"'
+VLLM_TEXT = f"""\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{{generation="0"}} 1234.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{{_L}}} 7.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{{_L}}} 2.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{{_L}}} 0.4375
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{{_L}}} 123456.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{{_L},le="0.01"}} 3.0
+vllm:time_to_first_token_seconds_bucket{{{_L},le="0.1"}} 30.0
+vllm:time_to_first_token_seconds_bucket{{{_L},le="+Inf"}} 42.0
+vllm:time_to_first_token_seconds_count{{{_L}}} 42.0
+vllm:time_to_first_token_seconds_sum{{{_L}}} 3.5
+# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{{{_L},le="1.0"}} 10.0
+vllm:e2e_request_latency_seconds_bucket{{{_L},le="+Inf"}} 42.0
+vllm:e2e_request_latency_seconds_count{{{_L}}} 42.0
+vllm:e2e_request_latency_seconds_sum{{{_L}}} 61.0
+"""
+
+OLD_VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 4.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 0.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+"""
+
+SGLANG_TEXT = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 3.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 1.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m"} 0.8
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="m"} 950.0
+"""
+
+TWO_LABEL_SETS_TEXT = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 3
+vllm:num_requests_running{model_name="b"} 4
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a"} 1
+vllm:num_requests_waiting{model_name="b"} 2
+"""
+
+
+# --- parse_engine_metrics -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (VLLM_TEXT, EngineMetrics(running=7.0, waiting=2.0, kv_usage=0.4375)),
+        (OLD_VLLM_TEXT, EngineMetrics(running=4.0, waiting=0.0, kv_usage=0.25)),
+        (SGLANG_TEXT, EngineMetrics(running=3.0, waiting=1.0, kv_usage=0.8)),
+        (TWO_LABEL_SETS_TEXT, EngineMetrics(running=7.0, waiting=3.0, kv_usage=None)),
+        (
+            "vllm:kv_cache_usage_perc 0.5\nvllm:gpu_cache_usage_perc 0.9\n",
+            EngineMetrics(kv_usage=0.5),
+        ),
+        (
+            "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+            "vllm:kv_cache_usage_perc NaN\n",
+            EngineMetrics(running=2.0, waiting=1.0, kv_usage=None),
+        ),
+        (
+            "vllm:kv_cache_usage_perc NaN\nvllm:gpu_cache_usage_perc 0.3\n",
+            EngineMetrics(kv_usage=0.3),
+        ),
+        ("vllm:num_requests_waiting NaN\n", EngineMetrics()),
+        ("", EngineMetrics()),
+        ("# HELP up ok\n# TYPE up gauge\nup 1\nprocess_open_fds 12\n", EngineMetrics()),
+        # A zero is a value, not a missing metric.
+        (
+            "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+            "vllm:kv_cache_usage_perc 0\n",
+            EngineMetrics(running=0.0, waiting=0.0, kv_usage=0.0),
+        ),
+    ],
+    ids=[
+        "vllm-realistic",
+        "vllm-old-gpu-cache-name",
+        "sglang",
+        "two-label-sets-summed",
+        "new-kv-name-wins",
+        "nan-kv-is-missing",
+        "nan-new-kv-falls-back-to-old-name",
+        "nan-only-is-missing",
+        "empty",
+        "unrelated-metrics-only",
+        "zeros-are-values",
+    ],
+)
+def test_parse_engine_metrics(text: str, expected: EngineMetrics) -> None:
+    assert parse_engine_metrics(text) == expected
+
+
+def test_kv_usage_of_two_engines_stays_a_fraction() -> None:
+    text = (
+        '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.6\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.7\n'
+    )
+    kv = parse_engine_metrics(text).kv_usage
+    assert kv is not None
+    assert 0.0 <= kv <= 1.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<html><body>Not Found</body></html>\n",
+        "this is not metrics\n",
+        'vllm:num_requests_running{model_name="m" 3\n',
+        'vllm:num_requests_running{model_name="m"} three\n',
+        '{"running": 3}',
+    ],
+    ids=["html-page", "prose", "unterminated-labels", "non-numeric-value", "json"],
+)
+def test_parse_engine_metrics_rejects_garbage_with_value_error(text: str) -> None:
+    # The scraper catches ValueError (and only that, besides transport errors) as a failed scrape.
+    with pytest.raises(ValueError):
+        parse_engine_metrics(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("vlm:_num{}=\"', \n#HELPTYPE0.5NaN+Inf-\\\t"))))
+def test_parse_engine_metrics_raises_nothing_but_value_error(text: str) -> None:
+    try:
+        result = parse_engine_metrics(text)
+    except ValueError:
+        return  # a failed scrape, which the scraper counts
+    for value in (result.running, result.waiting, result.kv_usage):
+        assert value is None or isinstance(value, float)
+
+
+# --- MetricsScraper against real HTTP servers ---------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Engine:
+    """A real /metrics endpoint whose reply the test controls."""
+
+    port: int
+    status: int = 200
+    body: str = VLLM_TEXT
+    hits: int = 0
+
+
+ServeFn = Callable[[Engine], Awaitable[Engine]]
+
+
+@pytest_asyncio.fixture
+async def serve() -> AsyncIterator[ServeFn]:
+    runners: list[web.AppRunner] = []
+
+    async def start(engine: Engine) -> Engine:
+        async def metrics(_: web.Request) -> web.Response:
+            engine.hits += 1
+            if engine.status != 200:
+                return web.Response(status=engine.status, text="boom")
+            return web.Response(text=engine.body, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        engine.port = int(runner.addresses[0][1])
+        return engine
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A port bound but not listening: connecting to it is refused, and nobody else can take it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+def _pod(name: str, port: int, address: str = "127.0.0.1") -> Pod:
+    return Pod(
+        name=name, namespace="ns", model=MODEL, address=address, port=port, metrics_port=port
+    )
+
+
+@pytest_asyncio.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@dataclass
+class Fleet:
+    pool: PodPool
+    scraper: MetricsScraper
+    clock: FakeClock
+    a: Pod
+    b: Pod
+    c: Pod
+    engine_a: Engine
+    engine_b: Engine
+
+
+@pytest_asyncio.fixture
+async def fleet(serve: ServeFn, closed_port: int) -> Fleet:
+    engine_a = await serve(Engine(port=0))
+    engine_b = await serve(Engine(port=0, status=500))
+    a, b, c = _pod("a", engine_a.port), _pod("b", engine_b.port), _pod("c", closed_port)
+    pool = PodPool(CapacityEstimator(window_s=60.0, tau_s=10.0), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([a, b, c])
+    clock = FakeClock()
+    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=clock)
+    return Fleet(pool, scraper, clock, a, b, c, engine_a, engine_b)
+
+
+def _by_key(pool: PodPool, now: float) -> dict[str, tuple[float | None, float | None]]:
+    return {c.pod.key: (c.waiting, c.kv_usage) for c in pool.candidates(MODEL, now)}
+
+
+async def test_tick_records_good_pod_and_counts_failing_ones(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    await fleet.scraper.tick(session)
+
+    assert fleet.engine_a.hits == 1 and fleet.engine_b.hits == 1
+    assert fleet.scraper.errors_total == {fleet.b.key: 1, fleet.c.key: 1}
+    now = fleet.clock.now
+    assert _by_key(fleet.pool, now) == {
+        fleet.a.key: (2.0, 0.4375),
+        fleet.b.key: (None, None),
+        fleet.c.key: (None, None),
+    }
+    engines = {k: v["engine"] for k, v in fleet.pool.snapshot(now)["pods"].items()}
+    assert engines[fleet.a.key] == {"running": 7.0, "waiting": 2.0, "kv_usage": 0.4375, "age_s": 0}
+    assert engines[fleet.b.key] is None and engines[fleet.c.key] is None
+
+    # The request path still decides with the failing pods' fields missing.
+    strategy = build_strategies(StrategyParams())["load-balance"]
+    picked = strategy.pick(fleet.pool.candidates(MODEL, now), RequestInfo(MODEL), random.Random(0))
+    assert picked.pod in (fleet.a, fleet.b, fleet.c)
+
+    await fleet.scraper.tick(session)
+    assert fleet.scraper.errors_total == {fleet.b.key: 2, fleet.c.key: 2}
+
+
+async def test_garbage_body_counts_as_failed_scrape(
+    serve: ServeFn, session: aiohttp.ClientSession
+) -> None:
+    engine = await serve(Engine(port=0, body="<html><body>Not Found</body></html>\n"))
+    pod = _pod("g", engine.port)
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([pod])
+    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
+
+    await scraper.tick(session)
+
+    assert engine.hits == 1
+    assert scraper.errors_total == {pod.key: 1}
+    assert pool.snapshot(100.0)["pods"][pod.key]["engine"] is None
+
+
+@pytest.mark.parametrize(
+    ("age_s", "visible"),
+    [(0.0, True), (MAX_AGE_S, True), (MAX_AGE_S + 0.5, False), (60.0, False)],
+    ids=["fresh", "exactly-max-age", "just-stale", "long-stale"],
+)
+async def test_stale_metrics_are_hidden_from_strategies(
+    fleet: Fleet, session: aiohttp.ClientSession, age_s: float, visible: bool
+) -> None:
+    scraped_at = fleet.clock.now
+    await fleet.scraper.tick(session)
+    fleet.clock.now = scraped_at + age_s
+
+    expected = (2.0, 0.4375) if visible else (None, None)
+    assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == expected
+
+
+async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
+    fleet: Fleet, session: aiohttp.ClientSession
+) -> None:
+    await fleet.scraper.tick(session)
+    first = fleet.clock.now
+    fleet.engine_a.status = 503
+    fleet.clock.now = first + 2.0
+    await fleet.scraper.tick(session)
+
+    assert fleet.scraper.errors_total[fleet.a.key] == 1
+    # Still within max age of the last good scrape: visible.
+    assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == (2.0, 0.4375)
+    # The failed tick did not refresh the timestamp: past max age of the first scrape, hidden.
+    assert _by_key(fleet.pool, first + MAX_AGE_S + 0.5)[fleet.a.key] == (None, None)
+
+    # Recovery: a good scrape with new values is recorded at the new time.
+    fleet.engine_a.status = 200
+    fleet.engine_a.body = "vllm:num_requests_waiting 5\nvllm:kv_cache_usage_perc 0.9\n"
+    fleet.clock.now = first + 10.0
+    await fleet.scraper.tick(session)
+    assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == (5.0, 0.9)
+    assert fleet.scraper.errors_total[fleet.a.key] == 1
+
+
+async def test_tick_refreshes_capacity(fleet: Fleet, session: aiohttp.ClientSession) -> None:
+    pool, key = fleet.pool, fleet.a.key
+    await fleet.scraper.tick(session)  # first refresh: the window's base
+    assert pool.capacity(key) is None
+
+    lease = pool.acquire(fleet.a)
+    assert pool.inflight(key) == 1
+    assert lease.release(500) is True
+    assert lease.release(500) is False  # exactly once
+    assert pool.inflight(key) == 0
+    assert pool.output_tokens_total(key) == 500
+    assert pool.capacity(key) is None  # counted, but not a rate until the next refresh
+
+    fleet.clock.now += 10.0
+    await fleet.scraper.tick(session)
+    assert pool.capacity(key) == pytest.approx(50.0)
+    assert pool.capacity(fleet.b.key) is None  # no tokens, no estimate
+    assert next(
+        c for c in pool.candidates(MODEL, fleet.clock.now) if c.pod.key == key
+    ).capacity == (pytest.approx(50.0))
+
+
+async def test_tick_with_no_pods_still_refreshes_capacity(
+    session: aiohttp.ClientSession,
+) -> None:
+    estimator = CapacityEstimator(window_s=60.0, tau_s=10.0)
+    pool = PodPool(estimator)
+    clock = FakeClock(0.0)
+    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=1.0, clock=clock)
+    estimator.add_tokens("gone/pod", 0)
+    await scraper.tick(session)
+    estimator.add_tokens("gone/pod", 100)
+    clock.now = 4.0
+    await scraper.tick(session)
+    assert estimator.estimate("gone/pod") == pytest.approx(25.0)
+    assert scraper.errors_total == {}
+
+
+async def test_ipv6_pod_address_is_bracketed(session: aiohttp.ClientSession) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    app = web.Application()
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_waiting 4\n")
+
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, "::1", 0).start()
+        except OSError:
+            pytest.skip("cannot bind ::1")
+        port = int(runner.addresses[0][1])
+        pod = _pod("v6", port, address="::1")
+        pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+        pool.set_pods([pod])
+        scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
+        await scraper.tick(session)
+        assert scraper.errors_total == {}
+        assert _by_key(pool, 100.0)[pod.key] == (4.0, None)
+    finally:
+        await runner.cleanup()
