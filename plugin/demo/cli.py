@@ -22,7 +22,7 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
         "--demo",
         type=float,
         metavar="SECONDS",
-        help="drive load for SECONDS per strategy, print the comparison, then exit",
+        help="measure SECONDS per strategy (after --warmup), print the comparison, then exit",
     )
     p.add_argument("--json", metavar="PATH", help="with --demo: write the figures as JSON")
     p.add_argument("--port", type=int, default=8888, help="Envoy listener port (default 8888)")
@@ -55,8 +55,10 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument(
         "--warmup",
         type=float,
-        default=0.25,
-        help="with --demo: fraction of each phase left out of the figures",
+        default=60.0,
+        metavar="SECONDS",
+        help="with --demo: load offered before each measured window, left out of the figures "
+        "(default 60: capacity is learned over a one-minute window)",
     )
     p.add_argument("--seed", type=int, default=1)
     p.set_defaults(func=run)

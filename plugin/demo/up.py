@@ -40,7 +40,7 @@ class UpOptions:
     tokens_per_chunk: int = 8
     max_num_seqs: int | None = None
     strategies: tuple[str, ...] = ("least-request", "load-balance")
-    warmup: float = 0.25
+    warmup: float = 60.0  # seconds of load before each measured window
     seed: int = 1
 
     def check(self) -> None:
@@ -51,8 +51,8 @@ class UpOptions:
             raise ConfigError("--demo SECONDS must be positive")
         if not 0 < self.load <= 2:
             raise ConfigError("--load must be in (0, 2]")
-        if not 0 <= self.warmup < 1:
-            raise ConfigError("--warmup must be in [0, 1)")
+        if self.warmup < 0:
+            raise ConfigError("--warmup SECONDS must be >= 0")
         if self.json_path and self.demo_s is None:
             raise ConfigError("--json needs --demo")
 
@@ -84,7 +84,8 @@ async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
     mean_out = DEMO_OUTPUT_TOKENS.mean()
     rate = opts.load * sum(saturated.values()) / mean_out
     _say(
-        f"demo: {opts.demo_s:.0f} s per strategy at {rate:.1f} req/s "
+        f"demo: {opts.warmup:.0f} s warm-up + {opts.demo_s:.0f} s measured per strategy "
+        f"at {rate:.1f} req/s "
         f"(~{opts.load:.0%} of the fleet's {sum(saturated.values()):.0f} output tokens/s; "
         f"mean {mean_out:.0f} output tokens per request)"
     )
@@ -93,7 +94,7 @@ async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
         for i, strategy in enumerate(opts.strategies):
             workload = Workload(
                 rate_per_s=rate,
-                duration_s=opts.demo_s,
+                duration_s=opts.warmup + opts.demo_s,
                 prompt_words=DEMO_PROMPT_WORDS,
                 output_tokens=DEMO_OUTPUT_TOKENS,
                 seed=opts.seed + i,
@@ -106,7 +107,7 @@ async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
             assert fleet.plugin is not None
             cpu0 = process_cpu_seconds(fleet.plugin.pid)
             routed0 = await _plugin_routed(session, fleet)
-            ticker = asyncio.ensure_future(_progress(strategy, opts.demo_s, state))
+            ticker = asyncio.ensure_future(_progress(strategy, opts.warmup + opts.demo_s, state))
             try:
                 results = await run_open_loop(
                     fleet.envoy_url,
@@ -124,7 +125,7 @@ async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
             summary = summarize(
                 results,
                 saturated_tokens_per_s=saturated,
-                window=(opts.warmup * opts.demo_s, opts.demo_s),
+                window=(opts.warmup, opts.warmup + opts.demo_s),
             )
             if cpu0 is not None and cpu1 is not None and routed > 0:
                 summary["fleet"]["plugin_cpu_ms_per_request"] = (cpu1 - cpu0) * 1000 / routed
@@ -187,7 +188,7 @@ async def up(opts: UpOptions) -> int:
             "time_scale": opts.time_scale,
             "tokens_per_chunk": opts.tokens_per_chunk,
             "seconds_per_strategy": opts.demo_s,
-            "warmup_fraction": opts.warmup,
+            "warmup_s": opts.warmup,
             "seed": opts.seed,
         }
         Path(opts.json_path).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
