@@ -156,6 +156,16 @@ async def test_load_balance_follows_capacity_and_counts_every_token(fleet: Local
         assert after_plugin["pods"][key]["capacity_tokens_per_s"] > 0
 
 
+async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{fleet.envoy_url}/v1/models") as resp,
+    ):
+        assert resp.status == 200
+        doc = await resp.json()
+    assert MODEL in [m["id"] for m in doc["data"]]
+
+
 BAD_JSON = b"{not json"
 
 

@@ -423,12 +423,12 @@ async def test_second_gateway_cannot_take_a_busy_grpc_port(
 @pytest.mark.parametrize(
     ("path", "method", "body"),
     [
-        ("/v1/models", "GET", None),
         ("/healthz", "POST", b'{"model": "m"}'),
         ("/v1/chat/completions", "GET", None),
         ("/v1/embeddings", "POST", b'{"model": "m", "input": "x"}'),
+        ("/v1/models", "POST", b"{}"),
     ],
-    ids=["get-models", "post-healthz", "get-chat", "post-embeddings"],
+    ids=["post-healthz", "get-chat", "post-embeddings", "post-models"],
 )
 async def test_other_paths_pass_through_untouched(
     running: Running, path: str, method: str, body: bytes | None
@@ -447,6 +447,19 @@ async def test_other_paths_pass_through_untouched(
     await stream.finish()
     for pod in running.pods.values():
         assert (pool.routed_total(pod.key), pool.inflight(pod.key)) == (0, 0)
+
+
+async def test_get_models_is_answered_by_the_gateway(running: Running) -> None:
+    stream = Stream(running.stub)
+    reply = await stream.send(request_headers("/v1/models?x=1", "GET", end_of_stream=True))
+    await stream.finish()
+    immediate = reply.immediate_response
+    assert immediate.status.code == 200
+    doc = orjson.loads(immediate.body)
+    assert doc["object"] == "list"
+    assert [m["id"] for m in doc["data"]] == ["m"]
+    headers = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
+    assert headers["content-type"] == b"application/json"
 
 
 # --- errors the plugin answers itself -----------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -19,13 +19,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from plugin.core.router import LLM_PATHS, Decision, Router, parse_request
+from plugin.core.router import LLM_PATHS, MODELS_PATH, Decision, Router, models_list, parse_request
 from plugin.core.usage import UsageScanner
 from plugin.errors import BadRequestBody, RequestError, error_reply
 
 log = logging.getLogger(__name__)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_JSON_HEADERS = (("content-type", "application/json"),)
 _WANTED = frozenset({":path", ":method", "routing-strategy", "x-request-id"})
 
 # Replies that carry nothing are built once and reused.
@@ -44,15 +45,23 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def immediate_response(err: RequestError) -> pb.ProcessingResponse:
-    reply = error_reply(err)
+def _immediate(
+    status: int, body: bytes, headers: Iterable[tuple[str, str]], details: str
+) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=reply.status),
-            headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in reply.headers]),
-            body=reply.body,
-            details=f"hetero_gateway_{type(err).__name__}",
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
+            body=body,
+            details=details,
         )
+    )
+
+
+def immediate_response(err: RequestError) -> pb.ProcessingResponse:
+    reply = error_reply(err)
+    return _immediate(
+        reply.status, reply.body, reply.headers, f"hetero_gateway_{type(err).__name__}"
     )
 
 
@@ -124,7 +133,12 @@ class StreamProcessor:
             if h.key in _WANTED:
                 headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
         path = headers.get(":path", "").split("?", 1)[0]
-        if path not in LLM_PATHS or headers.get(":method", "POST") != "POST":
+        method = headers.get(":method", "POST")
+        if path == MODELS_PATH and method == "GET":
+            # No single engine knows every model behind the gateway; the gateway does.
+            body = models_list(self._router.pool.models())
+            return _immediate(200, body, _JSON_HEADERS, "hetero_gateway_models")
+        if path not in LLM_PATHS or method != "POST":
             self._passthrough = True
             return _CONTINUE_REQUEST_HEADERS
         if msg.end_of_stream:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -13,10 +13,20 @@ from plugin.core.strategies import Strategy
 from plugin.core.types import RequestInfo
 from plugin.errors import BadRequestBody, NoModel, UnknownStrategy
 
-__all__ = ["LLM_PATHS", "Decision", "Router", "parse_request"]
+__all__ = ["LLM_PATHS", "MODELS_PATH", "Decision", "Router", "models_list", "parse_request"]
 
 # Paths whose JSON body names a model and whose response reports usage; others pass through.
 LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+# Answered by the gateway itself from discovery (OpenAI's model list).
+MODELS_PATH = "/v1/models"
+
+
+def models_list(models: Iterable[str]) -> bytes:
+    """OpenAI's `GET /v1/models` body for the models discovery knows."""
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "hetero-gateway"} for m in models
+    ]
+    return orjson.dumps({"object": "list", "data": data})
 
 
 def parse_request(body: bytes, request_id: str = "") -> RequestInfo:
