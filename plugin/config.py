@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import StrategyParams, strategy_names
 from plugin.errors import ConfigError
 
@@ -105,6 +106,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "10",
         "Time constant of the EWMA that smooths the capacity estimate.",
     ),
+    EnvVar(
+        "HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX",
+        "int > 0",
+        "3",
+        "Upstream 5xx in a row (503 from a dead engine included) that eject a pod from routing.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_EJECT_BASE_S",
+        "float > 0",
+        "5",
+        "First ejection time; it doubles with each ejection in a row, up to 60 s.",
+    ),
     EnvVar("HETERO_GATEWAY_LOG_LEVEL", "string", "INFO", "Python logging level."),
 )
 
@@ -122,6 +135,7 @@ class Settings:
     metrics_max_age_intervals: int = 3
     capacity_window_s: float = 60.0
     capacity_tau_s: float = 10.0
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     log_level: str = "INFO"
 
     @property
@@ -241,6 +255,24 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             10.0,
             lambda v: v > 0,
             "a positive number (seconds)",
+        ),
+        ejection=EjectionPolicy(
+            consecutive_5xx=_parse(
+                env,
+                "HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX",
+                int,
+                3,
+                lambda v: v > 0,
+                "a positive integer",
+            ),
+            base_s=_parse(
+                env,
+                "HETERO_GATEWAY_EJECT_BASE_S",
+                float,
+                5.0,
+                lambda v: v > 0,
+                "a positive number (seconds)",
+            ),
         ),
         log_level=level,
     )

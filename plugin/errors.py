@@ -62,7 +62,9 @@ class UnknownModel(RequestError):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"model {model} does not exist")
-        self.header = ("x-error-no-model-backends", model)
+        # The name comes from the client: keep the header value printable and short.
+        safe = "".join(c for c in model[:128] if " " <= c <= "~") or "invalid"
+        self.header = ("x-error-no-model-backends", safe)
 
 
 class NoReadyPod(RequestError):

@@ -166,6 +166,64 @@ async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     assert MODEL in [m["id"] for m in doc["data"]]
 
 
+async def test_client_cannot_steer_an_unrouted_path(fleet: LocalFleet) -> None:
+    engine = fleet.engines[0]
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{fleet.envoy_url}/v1/embeddings",
+            json={"model": MODEL, "input": "x"},
+            headers={"target-pod": f"127.0.0.1:{engine.port}"},
+        ) as resp,
+    ):
+        # The plugin removed the client's target-pod: Envoy has no target, nothing reached the
+        # engine (which would have answered 404 with its x-mock-engine header).
+        assert resp.status == 503
+        assert "x-mock-engine" not in resp.headers
+
+
+async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) -> None:
+    """A pod whose engine is gone answers 503 fast, so it would always score best; it must
+    collect only a few failures before routing stops choosing it."""
+    original = fleet.pods_file.read_text()
+    doc = yaml.safe_load(original)
+    doc["models"][MODEL]["pods"].append(
+        {"name": "dead-0", "address": "127.0.0.1", "port": free_port()}
+    )
+    fleet.pods_file.write_text(yaml.safe_dump(doc))
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 10
+            while "default/dead-0" not in (await pods_state(session, fleet))["pods"]:
+                assert time.monotonic() < deadline, "pods file change not picked up"
+                await asyncio.sleep(0.2)
+
+            async def send() -> tuple[int, str | None]:
+                async with session.post(
+                    f"{fleet.envoy_url}/v1/chat/completions",
+                    json=chat(2),
+                    headers={"routing-strategy": "load-balance"},
+                ) as resp:
+                    await resp.read()
+                    return resp.status, resp.headers.get("target-pod")
+
+            failures: list[tuple[int, str | None]] = []
+            for _ in range(200):  # idle pods tie, so the dead one is picked about 1 in 4
+                status, pod = await send()
+                if status != 200:
+                    failures.append((status, pod))
+                if len(failures) == 3:  # HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX
+                    break
+            state = await pods_state(session, fleet)
+            after = [await send() for _ in range(15)]  # well inside the 5 s ejection
+    finally:
+        fleet.pods_file.write_text(original)
+    assert [pod for _, pod in failures] == ["dead-0"] * 3
+    assert state["pods"]["default/dead-0"]["ejected"] is True
+    assert all(status == 200 for status, _ in after), after
+    assert state["pods"]["default/dead-0"]["inflight"] == 0
+
+
 BAD_JSON = b"{not json"
 
 

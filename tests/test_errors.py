@@ -107,3 +107,18 @@ def test_error_reply(
 )
 def test_error_type_by_status(status: int, etype: str) -> None:
     assert error_type(status) == etype
+
+
+@pytest.mark.parametrize(
+    ("model", "header"),
+    [
+        ("llama", "llama"),
+        ("bad\r\nx-evil: 1", "badx-evil: 1"),
+        ("\x00\x01", "invalid"),
+        ("m" * 500, "m" * 128),
+    ],
+    ids=["plain", "crlf", "control-only", "long"],
+)
+def test_unknown_model_header_is_printable_and_short(model: str, header: str) -> None:
+    reply = error_reply(UnknownModel(model))
+    assert ("x-error-no-model-backends", header) in reply.headers

@@ -52,6 +52,18 @@ def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
     )
 
 
+# A request-headers reply continues and strips client-sent steering headers.
+HEADERS_CONTINUE = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(
+                remove_headers=["target-pod", "x-gateway-destination-endpoint"]
+            )
+        )
+    )
+)
+
+
 def request_headers(
     path: str = CHAT,
     method: str = "POST",
@@ -238,7 +250,7 @@ async def _route(r: Running, strategy: str | None = None) -> tuple[Stream, str]:
     """Open a stream and take it through request headers and body; returns (stream, pod key)."""
     stream = Stream(r.stub)
     reply = await stream.send(request_headers(strategy=strategy))
-    assert reply == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    assert reply == HEADERS_CONTINUE
     reply = await stream.send(request_body(CHAT_BODY))
     assert reply.WhichOneof("response") == "request_body"
     target = set_headers(reply.request_body.response.header_mutation)["target-pod"]
@@ -254,7 +266,7 @@ async def test_routed_streaming_request_full_cycle(running: Running) -> None:
     stream = Stream(r.stub)
 
     reply = await stream.send(request_headers(request_id="req-1"))
-    assert reply == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    assert reply == HEADERS_CONTINUE
 
     reply = await stream.send(request_body(CHAT_BODY))
     assert reply.WhichOneof("response") == "request_body"
@@ -417,6 +429,35 @@ async def test_second_gateway_cannot_take_a_busy_grpc_port(
         await second.stop()
 
 
+async def test_a_second_body_after_routing_does_not_route_again(running: Running) -> None:
+    pool = running.gateway.pool
+    stream, _ = await _route(running)
+    reply = await stream.send(request_body(CHAT_BODY))
+    assert reply == pb.ProcessingResponse(request_body=pb.BodyResponse())
+    assert sum(pool.routed_total(p.key) for p in running.pods.values()) == 1
+    await stream.finish()
+    assert all(pool.inflight(p.key) == 0 for p in running.pods.values())
+
+
+async def test_upstream_5xx_ejects_the_pod(running: Running) -> None:
+    pool = running.gateway.pool
+    now = running.gateway.router.now
+    failing: str | None = None
+    for _ in range(12):  # enough that one pod collects the consecutive failures
+        stream, key = await _route(running, strategy="random")
+        await stream.send(response_headers(503, end_of_stream=True))
+        await stream.finish()
+        if pool.ejected(key, now()):
+            failing = key
+            break
+    assert failing is not None
+    others = {p.key for p in running.pods.values()} - {failing}
+    for _ in range(6):
+        stream, key = await _route(running, strategy="random")
+        await stream.finish()
+        assert key in others
+
+
 # --- passthrough --------------------------------------------------------------------------------
 
 
@@ -436,7 +477,7 @@ async def test_other_paths_pass_through_untouched(
     pool = running.gateway.pool
     stream = Stream(running.stub)
     reply = await stream.send(request_headers(path, method, end_of_stream=body is None))
-    assert reply == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    assert reply == HEADERS_CONTINUE
     if body is not None:
         reply = await stream.send(request_body(body))
         assert reply == pb.ProcessingResponse(request_body=pb.BodyResponse())

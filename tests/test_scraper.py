@@ -162,18 +162,36 @@ def test_kv_usage_of_two_engines_stays_a_fraction() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "<html><body>Not Found</body></html>\n",
-        "this is not metrics\n",
         'vllm:num_requests_running{model_name="m" 3\n',
         'vllm:num_requests_running{model_name="m"} three\n',
-        '{"running": 3}',
     ],
-    ids=["html-page", "prose", "unterminated-labels", "non-numeric-value", "json"],
+    ids=["unterminated-labels", "non-numeric-value"],
 )
-def test_parse_engine_metrics_rejects_garbage_with_value_error(text: str) -> None:
+def test_parse_engine_metrics_rejects_garbled_wanted_lines(text: str) -> None:
     # The scraper catches ValueError (and only that, besides transport errors) as a failed scrape.
     with pytest.raises(ValueError):
         parse_engine_metrics(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["<html><body>Not Found</body></html>\n", "this is not metrics\n", '{"running": 3}'],
+    ids=["html-page", "prose", "json"],
+)
+def test_pages_without_engine_metrics_parse_to_nothing(text: str) -> None:
+    # Only the wanted sample lines are parsed; the scraper counts an empty result as a failure.
+    assert parse_engine_metrics(text) == EngineMetrics()
+
+
+def test_only_wanted_lines_are_parsed() -> None:
+    # A broken line of another family no longer spoils the page (nor costs parse time).
+    text = (
+        "# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m"} 4\n'
+        'vllm:some_histogram_bucket{le="+Inf" BROKEN\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+    )
+    assert parse_engine_metrics(text) == EngineMetrics(running=4.0, kv_usage=0.25)
 
 
 @settings(max_examples=300, deadline=None)

@@ -18,6 +18,7 @@ File shape (models and their pods; every pod field but name/address/port is opti
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 from collections.abc import Callable
@@ -64,6 +65,17 @@ def parse_pods(doc: Any, source: str) -> list[Pod]:
                 raise ConfigError(f"{where}.name is required")
             if not isinstance(address, str) or not address:
                 raise ConfigError(f"{where}.address is required")
+            try:
+                address = str(ipaddress.ip_address(address))
+            except ValueError:
+                # Envoy's ORIGINAL_DST cluster connects to an IP; a name or IP:PORT would fail
+                # every request routed to this pod.
+                raise ConfigError(
+                    f"{where}.address must be an IP address (port separate), got {address!r}"
+                ) from None
+            ready = entry.get("ready", True)
+            if not isinstance(ready, bool):
+                raise ConfigError(f"{where}.ready must be true or false, got {ready!r}")
             port = _int(entry.get("port"), f"{where}.port")
             metrics_port = _int(entry.get("metricsPort", port), f"{where}.metricsPort")
             labels = entry.get("labels") or {}
@@ -77,7 +89,7 @@ def parse_pods(doc: Any, source: str) -> list[Pod]:
                 port=port,
                 metrics_port=metrics_port,
                 engine=str(entry.get("engine") or "vllm"),
-                ready=bool(entry.get("ready", True)),
+                ready=ready,
                 labels={str(k): str(v) for k, v in labels.items()},
             )
             if pod.key in seen:
@@ -101,7 +113,8 @@ def load_pods_file(path: str) -> list[Pod]:
 class StaticFileSource:
     """Reads the file at start (a bad file stops start-up) and re-reads it when it changes.
 
-    A bad edit later is logged and ignored: the last good list keeps serving.
+    A change is read once the file has stayed the same for one poll, so a half-written file is not
+    taken for a shorter list. A bad edit is logged and ignored: the last good list keeps serving.
     """
 
     def __init__(self, path: str, poll_s: float = 1.0) -> None:
@@ -119,9 +132,13 @@ class StaticFileSource:
 
     async def run(self, on_update: PodsCallback) -> None:
         on_update(self._pods)
+        seen = self._stamp
         while True:
             await asyncio.sleep(self._poll_s)
             stamp = self._stat()
+            if stamp != seen:
+                seen = stamp  # changed since the last poll: maybe mid-write, look again next poll
+                continue
             if stamp == self._stamp:
                 continue
             self._stamp = stamp

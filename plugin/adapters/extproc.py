@@ -30,7 +30,16 @@ _JSON_HEADERS = (("content-type", "application/json"),)
 _WANTED = frozenset({":path", ":method", "routing-strategy", "x-request-id"})
 
 # Replies that carry nothing are built once and reused.
-_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+# The steering headers are the plugin's to set: one a client sent is removed on every request,
+# routed or not, so nobody can point Envoy's ORIGINAL_DST cluster at an address of their choice.
+_STEERING_HEADERS = ("target-pod", "x-gateway-destination-endpoint")
+_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(remove_headers=list(_STEERING_HEADERS))
+        )
+    )
+)
 _CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -136,7 +145,7 @@ class StreamProcessor:
         method = headers.get(":method", "POST")
         if path == MODELS_PATH and method == "GET":
             # No single engine knows every model behind the gateway; the gateway does.
-            body = models_list(self._router.pool.models())
+            body = models_list(self._router.pool.serving_models())
             return _immediate(200, body, _JSON_HEADERS, "hetero_gateway_models")
         if path not in LLM_PATHS or method != "POST":
             self._passthrough = True
@@ -146,8 +155,8 @@ class StreamProcessor:
         return _CONTINUE_REQUEST_HEADERS
 
     def _on_request_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        if self._passthrough:
-            return _CONTINUE_REQUEST_BODY
+        if self._passthrough or self._decision is not None:
+            return _CONTINUE_REQUEST_BODY  # routed once; a stray later body must not route again
         self._body_parts.append(msg.body)
         if not msg.end_of_stream:
             return _CONTINUE_REQUEST_BODY  # BUFFERED sends one message; be safe with more
@@ -222,7 +231,7 @@ class StreamProcessor:
         tokens = 0
         if scanner is not None and self._upstream_status == 200:
             tokens = scanner.output_tokens()
-        decision.lease.release(tokens)
+        decision.lease.release(tokens, self._upstream_status, self._router.now())
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]

@@ -26,6 +26,16 @@ _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _WANTED = frozenset(_RUNNING + _WAITING + _KV)
+# A real vLLM page is hundreds of lines (histograms per model); parsing all of it in pure Python
+# on the event loop that answers Envoy costs tens of ms per pod. Only the wanted lines are parsed.
+_WANTED_PREFIXES = tuple(sorted(_WANTED))
+MAX_METRICS_BYTES = 8 * 1024 * 1024
+_NOTHING = EngineMetrics()
+
+
+def wanted_lines(text: str) -> str:
+    """The sample lines of the wanted metrics (TYPE/HELP and every other family dropped)."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -35,7 +45,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     are averaged. A NaN label set is skipped rather than spoiling the others.
     """
     found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(wanted_lines(text)):
         for sample in family.samples:
             if sample.name in _WANTED:
                 value = float(sample.value)
@@ -76,8 +86,12 @@ class MetricsScraper:
         try:
             async with session.get(url, timeout=self._timeout) as resp:
                 resp.raise_for_status()
-                text = await resp.text()
-            metrics = parse_engine_metrics(text)
+                body = await resp.content.read(MAX_METRICS_BYTES + 1)
+            if len(body) > MAX_METRICS_BYTES:
+                raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
+            metrics = parse_engine_metrics(body.decode("utf-8", "replace"))
+            if metrics == _NOTHING:
+                raise ValueError("no known engine metric on the page")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self.errors_total[pod.key] = self.errors_total.get(pod.key, 0) + 1
             if pod.key not in self._failing:
@@ -93,9 +107,17 @@ class MetricsScraper:
 
     async def tick(self, session: aiohttp.ClientSession) -> None:
         pods = self._pool.pods()
-        if pods:
-            await asyncio.gather(*(self._scrape(session, p) for p in pods))
-        self._pool.refresh_capacity(self._clock())
+        try:
+            if pods:
+                await asyncio.gather(
+                    *(self._scrape(session, p) for p in pods), return_exceptions=True
+                )
+        finally:
+            self._pool.refresh_capacity(self._clock())
+        present = {p.key for p in pods}
+        for key in self.errors_total.keys() - present:
+            del self.errors_total[key]
+        self._failing &= present
 
     async def run(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -105,5 +127,6 @@ class MetricsScraper:
                     await self.tick(session)
                 except Exception:  # a bug here must not stop scraping for good
                     log.exception("metrics refresh failed")
-                next_at += self._interval_s
-                await asyncio.sleep(max(0.0, next_at - self._clock()))
+                # A tick that overran does not make the next ones run back to back.
+                next_at = max(next_at + self._interval_s, self._clock())
+                await asyncio.sleep(next_at - self._clock())

@@ -39,6 +39,7 @@ class Gateway:
         self.pool = PodPool(
             CapacityEstimator(settings.capacity_window_s, settings.capacity_tau_s),
             settings.metrics_max_age_s,
+            settings.ejection,
         )
         self.router = Router(
             self.pool,

@@ -29,12 +29,15 @@ class Lease:
         self.key = pod.key
         self.released = False
 
-    def release(self, output_tokens: int = 0) -> bool:
-        """Give the slot back and credit tokens; later calls do nothing (returns False)."""
+    def release(self, output_tokens: int = 0, status: int = 0, now: float | None = None) -> bool:
+        """Give the slot back, credit tokens and report the upstream status (0: none seen).
+
+        Later calls do nothing (returns False).
+        """
         if self.released:
             return False
         self.released = True
-        self._pool._on_release(self.key, output_tokens)
+        self._pool._on_release(self.key, output_tokens, status, now)
         return True
 
 
@@ -44,10 +47,35 @@ class _Scraped:
     at: float
 
 
+@dataclass(frozen=True, slots=True)
+class EjectionPolicy:
+    """Passive health: a pod whose engine keeps failing leaves the candidates for a while.
+
+    Without it a dead replica that answers 503 in milliseconds always has zero requests in flight,
+    scores 0 and attracts most of the traffic. Like Envoy's outlier detection: after
+    `consecutive_5xx` upstream 5xx in a row the pod is ejected for `base_s`, doubling with each
+    ejection in a row up to `max_s`; one success resets it. If every pod of a model is ejected,
+    they all stay candidates (better a try than a certain 503).
+    """
+
+    consecutive_5xx: int = 3
+    base_s: float = 5.0
+    max_s: float = 60.0
+
+
+@dataclass(slots=True)
+class _Health:
+    failures: int = 0
+    ejections: int = 0
+    ejected_until: float = float("-inf")
+
+
 class PodPool:
     __slots__ = (
         "_by_model",
         "_capacity",
+        "_ejection",
+        "_health",
         "_inflight",
         "_metrics",
         "_metrics_max_age_s",
@@ -56,8 +84,15 @@ class PodPool:
         "loaded",
     )
 
-    def __init__(self, capacity: CapacityEstimator, metrics_max_age_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        capacity: CapacityEstimator,
+        metrics_max_age_s: float = 3.0,
+        ejection: EjectionPolicy | None = None,
+    ) -> None:
         self._capacity = capacity
+        self._ejection = ejection or EjectionPolicy()
+        self._health: dict[str, _Health] = {}
         self._metrics_max_age_s = metrics_max_age_s
         self._pods: dict[str, Pod] = {}
         self._by_model: dict[str, list[Pod]] = {}
@@ -78,6 +113,8 @@ class PodPool:
         for key in self._pods.keys() - new.keys():
             self._metrics.pop(key, None)
             self._capacity.forget(key)
+            self._health.pop(key, None)
+            self._routed.pop(key, None)
         self._pods = new
         self._by_model = by_model
         self.loaded = True
@@ -88,31 +125,33 @@ class PodPool:
     def models(self) -> list[str]:
         return sorted(self._by_model)
 
+    def serving_models(self) -> list[str]:
+        """Models with at least one ready pod (what `GET /v1/models` lists)."""
+        return sorted(m for m, pods in self._by_model.items() if any(p.ready for p in pods))
+
     # request path ----------------------------------------------------------------------------
     def candidates(self, model: str, now: float) -> list[Candidate]:
-        """Routable pods of a model with what a strategy may see of them."""
+        """Routable pods of a model with what a strategy may see of them.
+
+        Ready pods that are not ejected; if every ready pod is ejected, all of them.
+        """
         pods = self._by_model.get(model)
         if not pods:
             raise UnknownModel(model)
-        max_age = self._metrics_max_age_s
-        out: list[Candidate] = []
-        for pod in pods:
-            if not pod.ready:
-                continue
-            key = pod.key
-            scraped = self._metrics.get(key)
-            waiting = kv = None
-            if scraped is not None and now - scraped.at <= max_age:
-                waiting = scraped.metrics.waiting
-                kv = scraped.metrics.kv_usage
-            out.append(
-                Candidate(
-                    pod, self._inflight.get(key, 0), waiting, kv, self._capacity.estimate(key)
-                )
-            )
-        if not out:
+        ready = [p for p in pods if p.ready]
+        if not ready:
             raise NoReadyPod(model)
-        return out
+        healthy = [p for p in ready if not self.ejected(p.key, now)] or ready
+        return [self._candidate(p, now) for p in healthy]
+
+    def _candidate(self, pod: Pod, now: float) -> Candidate:
+        key = pod.key
+        scraped = self._metrics.get(key)
+        waiting = kv = None
+        if scraped is not None and now - scraped.at <= self._metrics_max_age_s:
+            waiting = scraped.metrics.waiting
+            kv = scraped.metrics.kv_usage
+        return Candidate(pod, self._inflight.get(key, 0), waiting, kv, self._capacity.estimate(key))
 
     def acquire(self, pod: Pod) -> Lease:
         key = pod.key
@@ -120,14 +159,37 @@ class PodPool:
         self._routed[key] = self._routed.get(key, 0) + 1
         return Lease(self, pod)
 
-    def _on_release(self, key: str, output_tokens: int) -> None:
+    def _on_release(self, key: str, output_tokens: int, status: int, now: float | None) -> None:
         left = self._inflight.get(key, 0) - 1
         if left > 0:
             self._inflight[key] = left
         else:
             self._inflight.pop(key, None)
+        if key not in self._pods:
+            return  # removed while in flight: its state is gone, do not resurrect it
         if output_tokens > 0:
             self._capacity.add_tokens(key, output_tokens)
+        if status and now is not None:
+            self._record_outcome(key, status >= 500, now)
+
+    def _record_outcome(self, key: str, failed: bool, now: float) -> None:
+        h = self._health.get(key)
+        if not failed:
+            if h is not None:
+                del self._health[key]
+            return
+        if h is None:
+            h = self._health[key] = _Health()
+        h.failures += 1
+        policy = self._ejection
+        if h.failures >= policy.consecutive_5xx and h.ejected_until <= now:
+            h.ejections += 1
+            h.failures = 0
+            h.ejected_until = now + min(policy.max_s, policy.base_s * 2 ** (h.ejections - 1))
+
+    def ejected(self, key: str, now: float) -> bool:
+        h = self._health.get(key)
+        return h is not None and h.ejected_until > now
 
     # background ------------------------------------------------------------------------------
     def update_metrics(self, key: str, metrics: EngineMetrics, now: float) -> None:
@@ -166,6 +228,7 @@ class PodPool:
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),
+                "ejected": self.ejected(key, now),
                 "engine": None
                 if scraped is None
                 else {

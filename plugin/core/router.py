@@ -74,6 +74,9 @@ class Router:
         self._rng = rng
         self._clock = clock
 
+    def now(self) -> float:
+        return self._clock()
+
     def strategy_for(self, header: str | None) -> Strategy:
         """The `routing-strategy` header's strategy, else the default; unknown -> 400."""
         name = header.strip() if header else ""

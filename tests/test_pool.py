@@ -1,0 +1,138 @@
+"""The pod pool: leases, passive-health ejection, pod removal while requests are in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import EjectionPolicy, PodPool
+from plugin.core.types import Pod
+from plugin.errors import NoReadyPod, UnknownModel
+
+
+def pod(name: str, model: str = "m", ready: bool = True, ns: str = "default") -> Pod:
+    return Pod(
+        name=name,
+        namespace=ns,
+        model=model,
+        address="10.0.0.1",
+        port=8000,
+        metrics_port=8000,
+        ready=ready,
+    )
+
+
+def make_pool(*pods: Pod, policy: EjectionPolicy | None = None) -> PodPool:
+    pool = PodPool(CapacityEstimator(), 3.0, policy or EjectionPolicy(3, 5.0, 60.0))
+    pool.set_pods(pods)
+    return pool
+
+
+def names(pool: PodPool, now: float, model: str = "m") -> set[str]:
+    return {c.pod.name for c in pool.candidates(model, now)}
+
+
+def fail(pool: PodPool, p: Pod, times: int, now: float, status: int = 503) -> None:
+    for _ in range(times):
+        pool.acquire(p).release(0, status, now)
+
+
+def test_lease_releases_exactly_once_and_credits_tokens() -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    lease = pool.acquire(a)
+    assert pool.inflight(a.key) == 1
+    assert lease.release(12, 200, 0.0) is True
+    assert lease.release(12, 200, 0.0) is False
+    assert (pool.inflight(a.key), pool.output_tokens_total(a.key)) == (0, 12)
+
+
+def test_unknown_model_and_no_ready_pod() -> None:
+    pool = make_pool(pod("a", ready=False))
+    with pytest.raises(UnknownModel):
+        pool.candidates("other", 0.0)
+    with pytest.raises(NoReadyPod):
+        pool.candidates("m", 0.0)
+
+
+def test_consecutive_5xx_eject_then_return() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    fail(pool, a, 2, now=0.0)
+    assert names(pool, 0.0) == {"a", "b"}  # two failures: still a candidate
+    fail(pool, a, 1, now=0.0)
+    assert names(pool, 0.1) == {"b"}
+    assert pool.snapshot(0.1)["pods"]["default/a"]["ejected"] is True
+    assert names(pool, 5.1) == {"a", "b"}  # base ejection time is over
+
+
+def test_ejection_backs_off_and_success_resets() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    fail(pool, a, 3, now=0.0)  # ejected for 5 s
+    fail(pool, a, 3, now=6.0)  # again: 10 s
+    assert names(pool, 15.0) == {"b"}
+    assert names(pool, 16.1) == {"a", "b"}
+    pool.acquire(a).release(10, 200, 17.0)  # success: history forgotten
+    fail(pool, a, 3, now=20.0)
+    assert names(pool, 24.0) == {"b"} and names(pool, 25.1) == {"a", "b"}
+
+
+@pytest.mark.parametrize(
+    ("status", "ejected"),
+    [
+        (500, True),
+        (502, True),
+        (503, True),
+        (504, True),
+        (200, False),
+        (400, False),
+        (429, False),
+        (0, False),
+    ],
+    ids=lambda v: str(v),
+)
+def test_which_statuses_count_as_failures(status: int, ejected: bool) -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    fail(pool, a, 3, now=0.0, status=status)
+    assert ("a" not in names(pool, 0.1)) is ejected
+
+
+def test_all_ejected_means_all_remain_candidates() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    fail(pool, a, 3, now=0.0)
+    fail(pool, b, 3, now=0.0)
+    assert names(pool, 1.0) == {"a", "b"}
+
+
+def test_removed_pod_in_flight_is_released_without_resurrecting_state() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    lease = pool.acquire(a)
+    pool.set_pods([b])
+    assert pool.snapshot(0.0)["inflight_removed_pods"] == {"default/a": 1}
+    lease.release(100, 503, 0.0)
+    snap = pool.snapshot(0.0)
+    assert snap["inflight_removed_pods"] == {}
+    assert pool.output_tokens_total(a.key) == 0
+    pool.refresh_capacity(1.0)
+    assert pool.capacity(a.key) is None
+    # Re-added later, it starts clean (no stale ejection, no stale tokens).
+    pool.set_pods([a, b])
+    assert names(pool, 0.5) == {"a", "b"}
+
+
+def test_same_name_in_two_namespaces_is_two_pods() -> None:
+    a1, a2 = pod("a", ns="x"), pod("a", ns="y")
+    pool = make_pool(a1, a2)
+    pool.acquire(a1)
+    assert (pool.inflight("x/a"), pool.inflight("y/a")) == (1, 0)
+    assert len(pool.candidates("m", 0.0)) == 2
+
+
+def test_serving_models_lists_only_models_with_a_ready_pod() -> None:
+    pool = make_pool(pod("a", model="up"), pod("b", model="down", ready=False))
+    assert pool.models() == ["down", "up"]
+    assert pool.serving_models() == ["up"]
