@@ -336,3 +336,14 @@ async def test_client_disconnect_mid_stream_releases_everything(fleet: LocalFlee
         await wait_idle(session, fleet, limit_s=30)
         state = await pods_state(session, fleet)
     assert all(p["inflight"] == 0 for p in state["pods"].values())
+
+
+async def test_plugin_down_fail_closed_answers_503(fleet: LocalFleet) -> None:
+    """Last in the module: it stops the plugin. Fail-closed means a 503, not an empty 500."""
+    await fleet.stop_process(fleet.plugin)
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.post(f"{fleet.envoy_url}/v1/chat/completions", json=chat(2)) as resp,
+    ):
+        assert resp.status == 503
+        assert "x-mock-engine" not in resp.headers

@@ -84,7 +84,7 @@ class EnvoyOptions:
     # gets 413, and one larger than the gRPC limit breaks the ext_proc stream.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     # ext_proc `failure_mode_allow`. With ORIGINAL_DST, failing open cannot route anyway (no
-    # target-pod header: 503 "no healthy upstream"), so fail-closed (500) is the default.
+    # target-pod header: 503 "no healthy upstream"), so fail-closed (503) is the default.
     fail_open: bool = False
     upstream_connect_timeout_s: float = 5.0
 
@@ -138,6 +138,9 @@ def _ext_proc_filter(opts: EnvoyOptions) -> dict[str, Any]:
                 "timeout": _duration(opts.message_timeout_s),
             },
             "failure_mode_allow": opts.fail_open,
+            # Fail-closed answers a prompt 503 (the plugin cannot route) instead of Envoy's
+            # default empty 500, so clients and retries see an overload, not a server bug.
+            "status_on_error": {"code": 503},
             "message_timeout": _duration(opts.message_timeout_s),
             "processing_mode": {
                 "request_header_mode": "SEND",
