@@ -130,11 +130,24 @@ async def test_load_balance_follows_capacity_and_counts_every_token(fleet: Local
             fleet.envoy_url, MODEL, workload, strategy="load-balance", request_timeout_s=60
         )
         await wait_idle(session, fleet)
-        after_plugin = await pods_state(session, fleet)
         after_engine = {
             e.name: await engine_metric(session, e.url, "vllm:generation_tokens_total")
             for e in fleet.engines
         }
+        generated_total = sum(after_engine.values()) - sum(before_engine.values())
+        # The counting filter's stream is not the one that holds in-flight counts: its last
+        # message may land a moment after the request ends. Wait (bounded) for it to settle.
+        deadline = time.monotonic() + 10
+        while True:
+            after_plugin = await pods_state(session, fleet)
+            counted_total = sum(
+                after_plugin["pods"][k]["output_tokens_total"]
+                - before_plugin["pods"][k]["output_tokens_total"]
+                for k in before_plugin["pods"]
+            )
+            if counted_total >= generated_total or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
 
     assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
     # Shares in the second half, once capacity has been learned.

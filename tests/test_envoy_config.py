@@ -67,13 +67,24 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
     assert route["route"]["timeout"] == "0s"  # the whole streamed answer must not be cut
 
 
-def test_ext_proc_filter_modes_metadata_and_timeouts() -> None:
-    boot = render_bootstrap(EnvoyOptions())
+@pytest.mark.parametrize(
+    ("count_mode", "names", "routing_body_mode"),
+    [
+        (
+            "observe",
+            ["envoy.filters.http.ext_proc", ec.COUNT_FILTER, "envoy.filters.http.router"],
+            "NONE",
+        ),
+        ("streamed", ["envoy.filters.http.ext_proc", "envoy.filters.http.router"], "STREAMED"),
+    ],
+    ids=["observe", "streamed"],
+)
+def test_ext_proc_filter_modes_metadata_and_timeouts(
+    count_mode: str, names: list[str], routing_body_mode: str
+) -> None:
+    boot = render_bootstrap(EnvoyOptions(count_mode=count_mode))
     filters = _hcm(boot)["http_filters"]
-    assert [f["name"] for f in filters] == [
-        "envoy.filters.http.ext_proc",
-        "envoy.filters.http.router",
-    ]
+    assert [f["name"] for f in filters] == names
     cfg = filters[0]["typed_config"]
     assert cfg["@type"].endswith("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor")
     assert cfg["grpc_service"]["envoy_grpc"] == {"cluster_name": ec.EXT_PROC_CLUSTER}
@@ -81,14 +92,27 @@ def test_ext_proc_filter_modes_metadata_and_timeouts() -> None:
         "request_header_mode": "SEND",
         "request_body_mode": "BUFFERED",
         "response_header_mode": "SEND",
-        "response_body_mode": "STREAMED",
+        "response_body_mode": routing_body_mode,
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
     }
     assert cfg["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
     assert cfg["message_timeout"] == "60s"
     assert cfg["failure_mode_allow"] is False
+    assert cfg["status_on_error"] == {"code": 503}
     assert cfg["allow_mode_override"] is False
+    if count_mode == "observe":
+        count = filters[1]["typed_config"]
+        assert count["observability_mode"] is True
+        assert count["failure_mode_allow"] is True  # counting must never fail a response
+        assert count["processing_mode"]["request_body_mode"] == "NONE"
+        assert count["processing_mode"]["response_body_mode"] == "STREAMED"
+
+
+def test_streamed_count_mode_validates_with_envoy(tmp_path: Path) -> None:
+    path = tmp_path / "streamed.yaml"
+    path.write_text(bootstrap_yaml(EnvoyOptions(count_mode="streamed")))
+    ec.validate_bootstrap(path)
 
 
 @pytest.mark.parametrize("max_bytes", [4 * 1024 * 1024, 16 * 1024 * 1024], ids=["4MiB", "16MiB"])

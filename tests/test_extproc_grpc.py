@@ -458,6 +458,55 @@ async def test_upstream_5xx_ejects_the_pod(running: Running) -> None:
         assert key in others
 
 
+def _observed(req: pb.ProcessingRequest) -> pb.ProcessingRequest:
+    req.observability_mode = True
+    return req
+
+
+@pytest.mark.parametrize("ending", ["end-of-stream", "stream-closed"])
+async def test_counting_filter_credits_tokens_without_replying(
+    running: Running, ending: str
+) -> None:
+    """The observability-mode filter: no replies, tokens credited to the target-pod's pod."""
+    pool = running.gateway.pool
+    endpoint, pod = next(iter(running.pods.items()))
+    headers = request_headers()
+    headers.request_headers.headers.headers.append(
+        base_pb2.HeaderValue(key="target-pod", raw_value=endpoint.encode())
+    )
+    chunks = sse_chunks(23)
+    messages = [_observed(headers), _observed(response_headers(200))]
+    messages += [_observed(response_body(c)) for c in chunks]
+    if ending == "end-of-stream":
+        messages.append(_observed(response_body(b"", end_of_stream=True)))
+    call = running.stub.Process(iter(messages))
+    async with asyncio.timeout(WAIT_S):
+        replies = [r async for r in call]
+    assert replies == []  # Envoy ignores replies in observability mode: none are sent
+    await _eventually(lambda: pool.output_tokens_total(pod.key) == 23, "tokens credited")
+    assert pool.inflight(pod.key) == 0  # counting never holds an in-flight slot
+    assert pool.routed_total(pod.key) == 0
+
+
+async def test_counting_filter_ignores_failed_responses_and_unknown_pods(
+    running: Running,
+) -> None:
+    pool = running.gateway.pool
+    endpoint, pod = next(iter(running.pods.items()))
+    for target, status in ((endpoint, 503), ("10.9.9.9:1", 200)):
+        headers = request_headers()
+        headers.request_headers.headers.headers.append(
+            base_pb2.HeaderValue(key="target-pod", raw_value=target.encode())
+        )
+        messages = [_observed(headers), _observed(response_headers(status))]
+        messages += [_observed(response_body(c)) for c in sse_chunks(23)]
+        messages.append(_observed(response_body(b"", end_of_stream=True)))
+        async with asyncio.timeout(WAIT_S):
+            assert [r async for r in running.stub.Process(iter(messages))] == []
+    assert all(pool.output_tokens_total(p.key) == 0 for p in running.pods.values())
+    assert pool.output_tokens_total(pod.key) == 0
+
+
 # --- passthrough --------------------------------------------------------------------------------
 
 

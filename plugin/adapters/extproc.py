@@ -20,6 +20,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin.core.router import LLM_PATHS, MODELS_PATH, Decision, Router, models_list, parse_request
+from plugin.core.types import Pod
 from plugin.core.usage import UsageScanner
 from plugin.errors import BadRequestBody, RequestError, error_reply
 
@@ -74,6 +75,14 @@ def immediate_response(err: RequestError) -> pb.ProcessingResponse:
     )
 
 
+def _status(msg: pb.HttpHeaders) -> int:
+    for h in msg.headers.headers:
+        if h.key == ":status":
+            raw = h.raw_value or h.value.encode()
+            return int(raw) if raw.isdigit() else 0
+    return 0
+
+
 class ErrorCounts:
     """Errors the plugin answered itself, by (status, error class); read by /metrics."""
 
@@ -92,6 +101,7 @@ class StreamProcessor:
 
     __slots__ = (
         "_body_parts",
+        "_counted",
         "_decision",
         "_errors",
         "_headers",
@@ -108,6 +118,7 @@ class StreamProcessor:
         self._passthrough = False
         self._body_parts: list[bytes] = []
         self._decision: Decision | None = None
+        self._counted: Pod | None = None  # counting filter: the pod whose tokens it counts
         self._scanner: UsageScanner | None = None
         self._upstream_status = 0
 
@@ -115,7 +126,11 @@ class StreamProcessor:
     def decision(self) -> Decision | None:
         return self._decision
 
-    def handle(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    def handle(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        """The reply to one message; None for the counting filter, whose messages get none."""
+        if req.observability_mode:
+            self._observe(req)
+            return None
         phase = req.WhichOneof("request")
         if phase == "response_body":
             return self._on_response_body(req.response_body)
@@ -191,11 +206,7 @@ class StreamProcessor:
         decision = self._decision
         if decision is None:
             return _CONTINUE_RESPONSE_HEADERS
-        for h in msg.headers.headers:
-            if h.key == ":status":
-                raw = h.raw_value or h.value.encode()
-                self._upstream_status = int(raw) if raw.isdigit() else 0
-                break
+        self._upstream_status = _status(msg)
         self._scanner = UsageScanner()
         if msg.end_of_stream:
             self.close()
@@ -222,8 +233,40 @@ class StreamProcessor:
                 self.close()
         return _CONTINUE_RESPONSE_BODY
 
+    def _observe(self, req: pb.ProcessingRequest) -> None:
+        """The counting filter's stream: find the pod from `target-pod`, count its tokens.
+
+        Envoy does not wait for this stream, and the routing filter's stream (which holds the
+        in-flight lease) lives until the response ends, so counting here only credits tokens.
+        """
+        phase = req.WhichOneof("request")
+        if phase == "response_body":
+            scanner = self._scanner
+            if scanner is not None:
+                scanner.feed(req.response_body.body, req.response_body.end_of_stream)
+                if req.response_body.end_of_stream:
+                    self._credit()
+        elif phase == "request_headers":
+            for h in req.request_headers.headers.headers:
+                if h.key == "target-pod":
+                    endpoint = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+                    self._counted = self._router.pool.pod_by_endpoint(endpoint)
+                    break
+        elif phase == "response_headers" and self._counted is not None:
+            self._upstream_status = _status(req.response_headers)
+            self._scanner = UsageScanner()
+
+    def _credit(self) -> None:
+        pod, scanner = self._counted, self._scanner
+        self._counted = None  # once
+        if pod is not None and scanner is not None and self._upstream_status == 200:
+            self._router.pool.credit_tokens(pod.key, scanner.output_tokens())
+
     def close(self) -> None:
         """Release the in-flight slot once, crediting the tokens counted so far."""
+        if self._counted is not None:
+            self._credit()
+            return
         decision = self._decision
         if decision is None or decision.lease.released:
             return
@@ -247,6 +290,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         processor = StreamProcessor(self.router, self.errors)
         try:
             async for req in request_iterator:
-                yield processor.handle(req)
+                reply = processor.handle(req)
+                if reply is not None:
+                    yield reply
         finally:
             processor.close()

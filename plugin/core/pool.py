@@ -72,6 +72,7 @@ class _Health:
 
 class PodPool:
     __slots__ = (
+        "_by_endpoint",
         "_by_model",
         "_capacity",
         "_ejection",
@@ -96,6 +97,7 @@ class PodPool:
         self._metrics_max_age_s = metrics_max_age_s
         self._pods: dict[str, Pod] = {}
         self._by_model: dict[str, list[Pod]] = {}
+        self._by_endpoint: dict[str, Pod] = {}
         self._inflight: dict[str, int] = {}
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
@@ -117,6 +119,7 @@ class PodPool:
             self._routed.pop(key, None)
         self._pods = new
         self._by_model = by_model
+        self._by_endpoint = {p.endpoint: p for p in new.values()}
         self.loaded = True
 
     def pods(self) -> list[Pod]:
@@ -158,6 +161,15 @@ class PodPool:
         self._inflight[key] = self._inflight.get(key, 0) + 1
         self._routed[key] = self._routed.get(key, 0) + 1
         return Lease(self, pod)
+
+    def pod_by_endpoint(self, endpoint: str) -> Pod | None:
+        """The pod behind a `target-pod` IP:PORT (the counting filter knows only that)."""
+        return self._by_endpoint.get(endpoint)
+
+    def credit_tokens(self, key: str, output_tokens: int) -> None:
+        """Output tokens a pod completed, counted apart from the in-flight lease."""
+        if output_tokens > 0 and key in self._pods:
+            self._capacity.add_tokens(key, output_tokens)
 
     def _on_release(self, key: str, output_tokens: int, status: int, now: float | None) -> None:
         left = self._inflight.get(key, 0) - 1

@@ -39,6 +39,7 @@ class FleetSpec:
     listen_port: int = 8888
     namespace: str = "default"
     fail_open: bool = False
+    count_mode: str = "observe"
     plugin_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -217,6 +218,7 @@ class LocalFleet:
             admin_port=self.admin_port,
             extproc_port=self.grpc_port,
             fail_open=self.spec.fail_open,
+            count_mode=self.spec.count_mode,
         )
         bootstrap = self.workdir / "envoy.yaml"
         bootstrap.write_text(bootstrap_yaml(opts))
