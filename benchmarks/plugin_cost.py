@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 from plugin.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
 from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
@@ -29,9 +30,16 @@ def fixed(n: int) -> LengthDist:
     return LengthDist(median=n, sigma=0.0, low=n, high=n)
 
 
-async def measure(tokens_per_chunk: int, rates: tuple[float, ...]) -> list[dict[str, float]]:
-    spec = FleetSpec(listen_port=free_port(), time_scale=1.0, tokens_per_chunk=tokens_per_chunk)
-    rows = []
+async def measure(
+    tokens_per_chunk: int, rates: tuple[float, ...], count_mode: str = "observe"
+) -> list[dict[str, Any]]:
+    spec = FleetSpec(
+        listen_port=free_port(),
+        time_scale=1.0,
+        tokens_per_chunk=tokens_per_chunk,
+        count_mode=count_mode,
+    )
+    rows: list[dict[str, Any]] = []
     async with LocalFleet(spec) as fleet:
         assert fleet.plugin is not None and fleet.envoy is not None
         pids = {"plugin": fleet.plugin.pid, "envoy": fleet.envoy.pid}
@@ -44,8 +52,11 @@ async def measure(tokens_per_chunk: int, rates: tuple[float, ...]) -> list[dict[
             after = {k: process_cpu_seconds(p) or 0.0 for k, p in pids.items()}
             n = len(results)
             chunks = 1 + -(-(OUTPUT_TOKENS - 1) // tokens_per_chunk)
+            ok = sorted(r.tpot_s for r in results if r.ok and r.tpot_s is not None)
             rows.append(
                 {
+                    "count_mode": count_mode,
+                    "tpot_ms": 1000 * ok[len(ok) // 2] if ok else float("nan"),
                     "tokens_per_chunk": tokens_per_chunk,
                     "content_chunks": chunks,
                     "rate": rate,
@@ -56,7 +67,7 @@ async def measure(tokens_per_chunk: int, rates: tuple[float, ...]) -> list[dict[
                 }
             )
             print(
-                f"  {tokens_per_chunk:3d} tokens/chunk, {rate:5.0f} req/s: "
+                f"  {count_mode:8s} {tokens_per_chunk:3d} tokens/chunk, {rate:5.0f} req/s: "
                 f"plugin {rows[-1]['plugin_ms']:.2f} ms/request",
                 file=sys.stderr,
                 flush=True,
@@ -64,44 +75,60 @@ async def measure(tokens_per_chunk: int, rates: tuple[float, ...]) -> list[dict[
     return rows
 
 
+def per_chunk_ms(rows: list[dict[str, Any]], mode: str) -> float:
+    at = [r for r in rows if r["count_mode"] == mode and r["rate"] == RATES[1]]
+    few = next(r for r in at if r["tokens_per_chunk"] == CHUNKINGS[0])
+    many = next(r for r in at if r["tokens_per_chunk"] == 1)
+    return float(
+        (many["plugin_ms"] - few["plugin_ms"]) / (many["content_chunks"] - few["content_chunks"])
+    )
+
+
 async def main() -> None:
-    rows = []
-    rows += await measure(CHUNKINGS[0], RATES)
+    rows = await measure(CHUNKINGS[0], RATES, "observe")
     for tpc in CHUNKINGS[1:]:
-        rows += await measure(tpc, (RATES[1],))
+        rows += await measure(tpc, (RATES[1],), "observe")
+    for tpc in CHUNKINGS:
+        rows += await measure(tpc, (RATES[1],), "streamed")
     header = (
-        "| tokens/chunk | content chunks | req/s | requests | errors | plugin CPU ms/request "
-        "| Envoy CPU ms/request |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "| count mode | tokens/chunk | content chunks | req/s | requests | errors "
+        "| plugin CPU ms/request | Envoy CPU ms/request | client p50 TPOT ms |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     lines = [header] + [
-        f"| {r['tokens_per_chunk']} | {r['content_chunks']} | {r['rate']:.0f} | {r['requests']} "
-        f"| {r['errors']} | {r['plugin_ms']:.2f} | {r['envoy_ms']:.2f} |"
+        f"| {r['count_mode']} | {r['tokens_per_chunk']} | {r['content_chunks']} | {r['rate']:.0f} "
+        f"| {r['requests']} | {r['errors']} | {r['plugin_ms']:.2f} | {r['envoy_ms']:.2f} "
+        f"| {r['tpot_ms']:.1f} |"
         for r in rows
     ]
-    base = next(r for r in rows if r["tokens_per_chunk"] == CHUNKINGS[0] and r["rate"] == RATES[1])
-    one = next(r for r in rows if r["tokens_per_chunk"] == 1)
-    per_chunk = (one["plugin_ms"] - base["plugin_ms"]) / (
-        one["content_chunks"] - base["content_chunks"]
-    )
+    observe, streamed = per_chunk_ms(rows, "observe"), per_chunk_ms(rows, "streamed")
     table = "\n".join(lines)
+    summary = (
+        f"Plugin CPU per extra streamed chunk at {RATES[1]:.0f} req/s (from the 1-token and "
+        f"64-token rows): observe {observe:.3f} ms, streamed {streamed:.3f} ms "
+        f"(observe/streamed = {observe / streamed:.2f})."
+    )
     print(table)
-    print(f"\nplugin CPU per extra streamed chunk at {RATES[1]:.0f} req/s: {per_chunk:.3f} ms")
+    print()
+    print(summary)
     doc = Path(__file__).resolve().parent.parent / "docs" / "plugin-cost.md"
     doc.write_text(
         "# Plugin CPU cost\n\n"
         "Generated by `python benchmarks/plugin_cost.py` (real Envoy, the plugin and mock engines "
         f"on loopback; streaming requests of {OUTPUT_TOKENS} output tokens with usage, "
-        f"{SECONDS:.0f} s per row; CPU = user + system time from /proc).\n\n"
-        f"{table}\n\n"
-        f"Plugin CPU per extra streamed chunk at {RATES[1]:.0f} req/s: {per_chunk:.3f} ms "
-        "(from the 1-token and 64-token chunkings).\n\n"
+        f"{SECONDS:.0f} s per row; CPU = user + system time from /proc; TPOT measured by the "
+        "client through Envoy, engines at full speed). `count mode` is `envoy-config "
+        "--count-mode`: `observe` (default) counts tokens in a second, observability-mode "
+        "filter that Envoy does not wait for; `streamed` has the routing filter itself receive "
+        "and answer every response chunk.\n\n"
+        f"{table}\n\n{summary}\n\n"
         "Each request costs its ext_proc messages: request headers, buffered body, response "
         "headers, one message per response chunk, and the end of stream. A py-spy profile puts "
         "about 90% of the plugin's samples in gRPC's asyncio machinery and its poller thread, "
         "not in the plugin's own code; the cost per request falls as the rate rises because "
         "event-loop wake-ups are shared by more messages.\n"
     )
-    print(f"wrote {doc}", file=sys.stderr)
+    print(f"wrote {doc.name}", file=sys.stderr)
 
 
 if __name__ == "__main__":
