@@ -167,6 +167,11 @@ def _port(env: Mapping[str, str], name: str, default: int) -> int:
     return _parse(env, name, int, default, lambda v: 0 <= v <= 65535, "a port (0-65535)")
 
 
+def _ejection_policy(consecutive_5xx: int, base_s: float) -> EjectionPolicy:
+    """Backoff doubles up to 60 s, or up to the base when an operator set a longer one."""
+    return EjectionPolicy(consecutive_5xx=consecutive_5xx, base_s=base_s, max_s=max(60.0, base_s))
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -256,7 +261,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             lambda v: v > 0,
             "a positive number (seconds)",
         ),
-        ejection=EjectionPolicy(
+        ejection=_ejection_policy(
             consecutive_5xx=_parse(
                 env,
                 "HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX",

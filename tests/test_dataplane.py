@@ -227,7 +227,14 @@ async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) ->
                     failures.append((status, pod))
                 if len(failures) == 3:  # HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX
                     break
-            state = await pods_state(session, fleet)
+            # The outcome is recorded when the routing stream closes, a moment after the client
+            # has its 503: poll (bounded) for the ejection.
+            deadline = time.monotonic() + 5
+            while not (state := await pods_state(session, fleet))["pods"]["default/dead-0"][
+                "ejected"
+            ]:
+                assert time.monotonic() < deadline, "dead pod never ejected"
+                await asyncio.sleep(0.05)
             after = [await send() for _ in range(15)]  # well inside the 5 s ejection
     finally:
         fleet.pods_file.write_text(original)
@@ -303,7 +310,7 @@ async def test_no_ready_pod_is_503_and_pods_file_is_reread(fleet: LocalFleet) ->
             {
                 "name": "down-0",
                 "address": "127.0.0.1",
-                "port": fleet.engines[0].port,
+                "port": free_port(),
                 "ready": False,
             }
         ]
@@ -324,27 +331,37 @@ async def test_no_ready_pod_is_503_and_pods_file_is_reread(fleet: LocalFleet) ->
     assert "offline-model" in err["message"]
 
 
-async def test_client_disconnect_mid_stream_releases_everything(fleet: LocalFleet) -> None:
+async def test_in_flight_counts_hold_mid_stream_and_return_to_zero_on_disconnect(
+    fleet: LocalFleet,
+) -> None:
+    """The routing filter's stream holds the in-flight count for the whole response (with the
+    counting filter in observability mode too), and a client drop releases it."""
     async with aiohttp.ClientSession() as session:
         await wait_idle(session, fleet)
-
-        async def read_one_chunk_then_drop() -> str:
-            s = aiohttp.ClientSession()
-            try:
-                resp = await s.post(
+        clients = [aiohttp.ClientSession() for _ in range(12)]
+        try:
+            responses = []
+            for client in clients:
+                resp = await client.post(
                     f"{fleet.envoy_url}/v1/chat/completions",
                     json=chat(max_tokens=2000, stream=True),
                 )
                 assert resp.status == 200
-                await resp.content.readline()
-                pod = resp.headers["target-pod"]
+                await resp.content.readline()  # the stream is under way
+                responses.append(resp)
+            state = await pods_state(session, fleet)
+            by_pod: dict[str, int] = {}
+            for resp in responses:
+                name = resp.headers["target-pod"]
+                by_pod[name] = by_pod.get(name, 0) + 1
+            assert {
+                k.split("/")[1]: v["inflight"] for k, v in state["pods"].items() if v["inflight"]
+            } == by_pod
+            for resp in responses:
                 resp.close()  # drop the connection mid-stream
-                return pod
-            finally:
-                await s.close()
-
-        pods = await asyncio.gather(*(read_one_chunk_then_drop() for _ in range(12)))
-        assert len(pods) == 12
+        finally:
+            for client in clients:
+                await client.close()
         # The plugin's in-flight counts and the engines' running sequences return to zero.
         await wait_idle(session, fleet, limit_s=30)
         state = await pods_state(session, fleet)

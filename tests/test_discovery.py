@@ -64,6 +64,10 @@ def _entry(name: str = "p0", port: Any = 8000, **extra: Any) -> dict[str, Any]:
         (_doc(_entry(address="engine.local")), "models.m.pods[0].address must be an IP address"),
         (_doc(_entry(address="10.0.0.1:8000")), "models.m.pods[0].address must be an IP address"),
         (_doc(_entry(ready="false")), "models.m.pods[0].ready must be true or false"),
+        (
+            _doc(_entry("p0"), _entry("p1")),
+            "models.m.pods[1]: endpoint 10.0.0.1:8000 is already pod default/p0",
+        ),
         (_doc(_entry(metricsPort=-1)), "models.m.pods[0].metricsPort must be a port number"),
         (
             _doc(_entry("p0"), _entry("p0", port=8001)),
@@ -101,6 +105,7 @@ def _entry(name: str = "p0", port: Any = 8000, **extra: Any) -> dict[str, Any]:
         "address-hostname",
         "address-with-port",
         "ready-string",
+        "endpoint-twice",
         "metrics-port-negative",
         "duplicate-in-model",
         "duplicate-across-models",
@@ -165,7 +170,12 @@ def test_ipv6_address_endpoint_is_bracketed() -> None:
 
 
 def test_two_models_keep_their_own_pods() -> None:
-    doc = {"models": {"a": {"pods": [_entry("x")]}, "b": {"pods": [_entry("y"), _entry("z")]}}}
+    doc = {
+        "models": {
+            "a": {"pods": [_entry("x", port=8001)]},
+            "b": {"pods": [_entry("y", port=8002), _entry("z", port=8003)]},
+        }
+    }
     pods = parse_pods(doc, SRC)
     assert [(p.model, p.name) for p in pods] == [("a", "x"), ("b", "y"), ("b", "z")]
 

@@ -136,3 +136,22 @@ def test_serving_models_lists_only_models_with_a_ready_pod() -> None:
     pool = make_pool(pod("a", model="up"), pod("b", model="down", ready=False))
     assert pool.models() == ["down", "up"]
     assert pool.serving_models() == ["up"]
+
+
+def test_a_success_from_before_the_ejection_does_not_end_it() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    old = pool.acquire(a)  # routed before the engine broke
+    fail(pool, a, 3, now=1.0)
+    old.release(10, 200, 2.0)
+    assert names(pool, 2.5) == {"b"}
+
+
+def test_a_pod_dead_for_days_keeps_being_ejected() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    now = 0.0
+    for _ in range(2000):  # far past where 2 ** ejections would overflow a float
+        fail(pool, a, 3, now=now)
+        assert names(pool, now + 1) == {"b"}
+        now += 61.0

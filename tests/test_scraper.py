@@ -452,3 +452,26 @@ async def test_ipv6_pod_address_is_bracketed(session: aiohttp.ClientSession) -> 
         assert _by_key(pool, 100.0)[pod.key] == (4.0, None)
     finally:
         await runner.cleanup()
+
+
+async def test_a_large_page_is_read_whole(serve: ServeFn, session: aiohttp.ClientSession) -> None:
+    """A real vLLM page is big and arrives in many socket reads; the wanted lines may be last."""
+    filler = "".join(f'vllm:some_histogram_bucket{{le="{i}"}} {i}\n' for i in range(60000))
+    body = (
+        filler
+        + 'vllm:num_requests_running{model_name="m"} 5\n'
+        + 'vllm:num_requests_waiting{model_name="m"} 2\n'
+        + 'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    assert len(body) > 2_000_000
+    engine = await serve(Engine(port=0, body=body))
+    pod = _pod("big", engine.port)
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([pod])
+    clock = FakeClock()
+    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=5.0, clock=clock)
+    await scraper.tick(session)
+    assert scraper.errors_total == {}
+    candidate = pool.candidates(pod.model, clock())[0]
+    assert (candidate.running, candidate.waiting, candidate.kv_usage) == (0, 2.0, 0.5)
+    assert pool.snapshot(clock())["pods"][pod.key]["engine"]["running"] == 5.0

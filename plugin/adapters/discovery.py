@@ -52,6 +52,7 @@ def parse_pods(doc: Any, source: str) -> list[Pod]:
         raise ConfigError(f"{source}: expected a mapping with a 'models' mapping")
     pods: list[Pod] = []
     seen: set[str] = set()
+    endpoints: dict[str, str] = {}
     for model, spec in doc["models"].items():
         entries = spec.get("pods") if isinstance(spec, dict) else None
         if not isinstance(entries, list):
@@ -95,6 +96,13 @@ def parse_pods(doc: Any, source: str) -> list[Pod]:
             if pod.key in seen:
                 raise ConfigError(f"{where}: pod {pod.key} listed twice")
             seen.add(pod.key)
+            if pod.endpoint in endpoints:
+                # One engine, one pod entry: in-flight counts and counted tokens are per pod, and
+                # the counting filter knows a response only by its IP:PORT.
+                raise ConfigError(
+                    f"{where}: endpoint {pod.endpoint} is already pod {endpoints[pod.endpoint]}"
+                )
+            endpoints[pod.endpoint] = pod.key
             pods.append(pod)
     return pods
 

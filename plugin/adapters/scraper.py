@@ -86,9 +86,11 @@ class MetricsScraper:
         try:
             async with session.get(url, timeout=self._timeout) as resp:
                 resp.raise_for_status()
-                body = await resp.content.read(MAX_METRICS_BYTES + 1)
-            if len(body) > MAX_METRICS_BYTES:
-                raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(64 * 1024):
+                    body += chunk
+                    if len(body) > MAX_METRICS_BYTES:
+                        raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
             metrics = parse_engine_metrics(body.decode("utf-8", "replace"))
             if metrics == _NOTHING:
                 raise ValueError("no known engine metric on the page")
@@ -109,9 +111,12 @@ class MetricsScraper:
         pods = self._pool.pods()
         try:
             if pods:
-                await asyncio.gather(
+                results = await asyncio.gather(
                     *(self._scrape(session, p) for p in pods), return_exceptions=True
                 )
+                for pod, result in zip(pods, results, strict=True):
+                    if isinstance(result, Exception):
+                        log.error("metrics scrape of %s raised %r", pod.key, result)
         finally:
             self._pool.refresh_capacity(self._clock())
         present = {p.key for p in pods}

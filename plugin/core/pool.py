@@ -188,7 +188,10 @@ class PodPool:
         h = self._health.get(key)
         if not failed:
             if h is not None:
-                del self._health[key]
+                if h.ejected_until > now:
+                    h.failures = 0  # a request from before the ejection: it does not end it
+                else:
+                    del self._health[key]
             return
         if h is None:
             h = self._health[key] = _Health()
@@ -197,7 +200,8 @@ class PodPool:
         if h.failures >= policy.consecutive_5xx and h.ejected_until <= now:
             h.ejections += 1
             h.failures = 0
-            h.ejected_until = now + min(policy.max_s, policy.base_s * 2 ** (h.ejections - 1))
+            doublings = min(h.ejections - 1, 30)  # bounded: a pod dead for days must not overflow
+            h.ejected_until = now + min(policy.max_s, policy.base_s * 2**doublings)
 
     def ejected(self, key: str, now: float) -> bool:
         h = self._health.get(key)
