@@ -207,7 +207,6 @@ class StreamProcessor:
         if decision is None:
             return _CONTINUE_RESPONSE_HEADERS
         self._upstream_status = _status(msg)
-        self._scanner = UsageScanner()
         if msg.end_of_stream:
             self.close()
         pod = decision.lease.pod
@@ -226,11 +225,16 @@ class StreamProcessor:
         )
 
     def _on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        # Only with --count-mode streamed does the routing filter get the body; the scanner is
+        # made on the first chunk so the default wiring allocates none per request.
+        if self._decision is None:
+            return _CONTINUE_RESPONSE_BODY
         scanner = self._scanner
-        if scanner is not None:
-            scanner.feed(msg.body, msg.end_of_stream)
-            if msg.end_of_stream:
-                self.close()
+        if scanner is None:
+            scanner = self._scanner = UsageScanner()
+        scanner.feed(msg.body, msg.end_of_stream)
+        if msg.end_of_stream:
+            self.close()
         return _CONTINUE_RESPONSE_BODY
 
     def _observe(self, req: pb.ProcessingRequest) -> None:

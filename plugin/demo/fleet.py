@@ -127,7 +127,7 @@ class LocalFleet:
             return await asyncio.create_subprocess_exec(
                 *argv,
                 stdout=fh,
-                stderr=subprocess_stdout(),
+                stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 stdin=asyncio.subprocess.DEVNULL,
                 start_new_session=True,
@@ -263,10 +263,6 @@ class LocalFleet:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def subprocess_stdout() -> int:
-    return asyncio.subprocess.STDOUT
 
 
 def process_cpu_seconds(pid: int) -> float | None:
