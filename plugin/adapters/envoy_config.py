@@ -122,6 +122,40 @@ class EnvoyOptions:
             )
 
 
+BENCH_UPSTREAM_CLUSTER = "hetero_gateway_bench_upstream"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchLayout:
+    """Departures from the product bootstrap that only `hetero-gateway bench` uses.
+
+    Each one gives up routing or token counting, which is the point when measuring what they
+    cost; `envoy-config` offers none of them. The default layout renders the product bootstrap.
+    """
+
+    # False: no ext_proc filter at all (the "Envoy direct" baseline).
+    plugin: bool = True
+    # False: the routing filter asks for request headers only (request_body_mode NONE). The
+    # plugin routes from the body's model, so it picks nothing and `upstream` must be set.
+    request_body: bool = True
+    # False: no token counting (no counting filter, response body NONE on the routing filter).
+    count: bool = True
+    # (IP, port): route every request to this one endpoint (a STATIC cluster) instead of the
+    # ORIGINAL_DST cluster the plugin steers.
+    upstream: tuple[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.upstream is None:
+            if not self.plugin or not self.request_body:
+                raise ValueError("without the plugin or the request body, set `upstream`")
+            return
+        host, port = self.upstream
+        if not _is_ip(host):
+            raise ValueError(f"upstream host must be an IP address, got {host!r}")
+        if not 0 < port <= 65535:
+            raise ValueError(f"upstream port must be in 1-65535, got {port}")
+
+
 def _circuit_breakers() -> dict[str, Any]:
     return {
         "thresholds": [
@@ -135,7 +169,8 @@ def _circuit_breakers() -> dict[str, Any]:
     }
 
 
-def _ext_proc_filter(opts: EnvoyOptions) -> dict[str, Any]:
+def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
+    streamed = opts.count_mode == "streamed" and layout.count
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -155,13 +190,13 @@ def _ext_proc_filter(opts: EnvoyOptions) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 # BUFFERED: the pick (a header mutation in the body reply) steers correctly even
                 # when the body arrives late; STREAMED / BUFFERED_PARTIAL can route wrongly.
-                "request_body_mode": "BUFFERED",
+                "request_body_mode": "BUFFERED" if layout.request_body else "NONE",
                 "response_header_mode": "SEND",
                 # STREAMED: the plugin sees every SSE chunk as it arrives (token usage) without
                 # Envoy holding the whole response. In "observe" mode the counting filter sees
                 # them instead. Either way this filter's stream lives until the response ends
                 # (checked on Envoy 1.40), which is what holds the in-flight count.
-                "response_body_mode": "STREAMED" if opts.count_mode == "streamed" else "NONE",
+                "response_body_mode": "STREAMED" if streamed else "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
@@ -207,7 +242,19 @@ def _router_filter() -> dict[str, Any]:
     }
 
 
-def _listener(opts: EnvoyOptions) -> dict[str, Any]:
+def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any]]:
+    if not layout.plugin:
+        return [_router_filter()]
+    observe = opts.count_mode == "observe" and layout.count
+    return [
+        _ext_proc_filter(opts, layout),
+        *([_count_filter(opts)] if observe else []),
+        _router_filter(),
+    ]
+
+
+def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
+    cluster = ORIGINAL_DST_CLUSTER if layout.upstream is None else BENCH_UPSTREAM_CLUSTER
     hcm = {
         "@type": _type_url(
             "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -228,7 +275,7 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
                         {
                             "match": {"prefix": "/"},
                             "route": {
-                                "cluster": ORIGINAL_DST_CLUSTER,
+                                "cluster": cluster,
                                 # Route timeout counts the whole streamed response (default 15 s
                                 # cuts long generations before the usage chunk): disable it and
                                 # rely on the idle timeout.
@@ -240,11 +287,7 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
                 }
             ],
         },
-        "http_filters": [
-            _ext_proc_filter(opts),
-            *([_count_filter(opts)] if opts.count_mode == "observe" else []),
-            _router_filter(),
-        ],
+        "http_filters": _http_filters(opts, layout),
     }
     return {
         "name": "hetero_gateway_listener",
@@ -278,6 +321,22 @@ def _original_dst_cluster(opts: EnvoyOptions) -> dict[str, Any]:
         "original_dst_lb_config": {
             "use_http_header": True,
             "http_header_name": TARGET_POD_HEADER,
+        },
+    }
+
+
+def _static_upstream_cluster(opts: EnvoyOptions, host: str, port: int) -> dict[str, Any]:
+    return {
+        "name": BENCH_UPSTREAM_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": _duration(opts.upstream_connect_timeout_s),
+        "per_connection_buffer_limit_bytes": opts.max_request_bytes,
+        "circuit_breakers": _circuit_breakers(),
+        "load_assignment": {
+            "cluster_name": BENCH_UPSTREAM_CLUSTER,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}
+            ],
         },
     }
 
@@ -328,20 +387,24 @@ def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     }
 
 
-def render_bootstrap(opts: EnvoyOptions) -> dict[str, Any]:
+def render_bootstrap(opts: EnvoyOptions, layout: BenchLayout | None = None) -> dict[str, Any]:
     """The whole bootstrap as a plain dict, keys in a fixed order."""
+    layout = layout or BenchLayout()
+    if layout.upstream is None:
+        clusters = [_original_dst_cluster(opts)]
+    else:
+        clusters = [_static_upstream_cluster(opts, *layout.upstream)]
+    if layout.plugin:
+        clusters.append(_ext_proc_cluster(opts))
     return {
         "admin": {"address": _socket_address(opts.admin_host, opts.admin_port)},
-        "static_resources": {
-            "listeners": [_listener(opts)],
-            "clusters": [_original_dst_cluster(opts), _ext_proc_cluster(opts)],
-        },
+        "static_resources": {"listeners": [_listener(opts, layout)], "clusters": clusters},
     }
 
 
-def bootstrap_yaml(opts: EnvoyOptions) -> str:
+def bootstrap_yaml(opts: EnvoyOptions, layout: BenchLayout | None = None) -> str:
     """YAML text of `render_bootstrap` (key order kept, so the output is stable)."""
-    return yaml.safe_dump(render_bootstrap(opts), sort_keys=False)
+    return yaml.safe_dump(render_bootstrap(opts, layout), sort_keys=False)
 
 
 def envoy_binary() -> str:

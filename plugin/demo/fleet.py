@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, envoy_binary
+from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, bootstrap_yaml, envoy_binary
 from plugin.mock_engine.model import PRESETS, EngineParams, saturated_output_tokens_per_s
 
 
@@ -85,6 +85,7 @@ class LocalFleet:
         self.admin_port = free_port()
         self.plugin: asyncio.subprocess.Process | None = None
         self.envoy: asyncio.subprocess.Process | None = None
+        self.extra_envoys: list[asyncio.subprocess.Process] = []
         self._logs: dict[str, Path] = {}
 
     @property
@@ -212,18 +213,29 @@ class LocalFleet:
         )
         await self._wait_http("plugin", self.plugin, f"{self.plugin_url}/readyz")
 
-        opts = EnvoyOptions(
+        self.envoy = await self._spawn_envoy(
+            "envoy", self.envoy_options(self.spec.listen_port, self.admin_port)
+        )
+        await self._wait_http("envoy", self.envoy, f"http://127.0.0.1:{self.admin_port}/ready")
+
+    def envoy_options(self, listen_port: int, admin_port: int) -> EnvoyOptions:
+        """The fleet's Envoy options (plugin address, fail mode, count mode) on other ports."""
+        return EnvoyOptions(
             listen_host="127.0.0.1",
-            listen_port=self.spec.listen_port,
-            admin_port=self.admin_port,
+            listen_port=listen_port,
+            admin_port=admin_port,
             extproc_port=self.grpc_port,
             fail_open=self.spec.fail_open,
             count_mode=self.spec.count_mode,
         )
-        bootstrap = self.workdir / "envoy.yaml"
-        bootstrap.write_text(bootstrap_yaml(opts))
-        self.envoy = await self._spawn(
-            "envoy",
+
+    async def _spawn_envoy(
+        self, name: str, opts: EnvoyOptions, layout: BenchLayout | None = None
+    ) -> asyncio.subprocess.Process:
+        bootstrap = self.workdir / f"{name}.yaml"
+        bootstrap.write_text(bootstrap_yaml(opts, layout))
+        return await self._spawn(
+            name,
             [
                 envoy_binary(),
                 "-c",
@@ -235,7 +247,18 @@ class LocalFleet:
                 "1",
             ],
         )
-        await self._wait_http("envoy", self.envoy, f"http://127.0.0.1:{self.admin_port}/ready")
+
+    async def start_extra_envoy(
+        self, name: str, opts: EnvoyOptions, layout: BenchLayout | None = None
+    ) -> asyncio.subprocess.Process:
+        """Another Envoy in front of the same plugin and engines; `stop()` stops it too.
+
+        The benchmark compares bootstraps side by side on one stack; `name` names the log.
+        """
+        proc = await self._spawn_envoy(name, opts, layout)
+        self.extra_envoys.append(proc)  # before the wait: a failed start is stopped too
+        await self._wait_http(name, proc, f"http://127.0.0.1:{opts.admin_port}/ready")
+        return proc
 
     async def stop_process(self, proc: asyncio.subprocess.Process | None) -> None:
         if proc is None or proc.returncode is not None:
@@ -250,6 +273,7 @@ class LocalFleet:
             await proc.wait()
 
     async def stop(self) -> None:
+        await asyncio.gather(*(self.stop_process(p) for p in self.extra_envoys))
         await self.stop_process(self.envoy)
         await self.stop_process(self.plugin)
         await asyncio.gather(*(self.stop_process(e.proc) for e in self.engines))

@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,16 @@ async def _progress(label: str, total_s: float, state: dict[str, int]) -> None:
         )
 
 
-async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
+async def run_demo(
+    fleet: LocalFleet,
+    opts: UpOptions,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Offer the demo load once per strategy; summaries by strategy.
+
+    `on_progress(strategy, done, total)` replaces the periodic progress lines (`bench` draws a
+    progress bar with it); it must not raise.
+    """
     assert opts.demo_s is not None
     saturated = {e.name: e.saturated_tokens_per_s for e in fleet.engines}
     mean_out = DEMO_OUTPUT_TOKENS.mean()
@@ -101,25 +111,34 @@ async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
             )
             state = {"done": 0, "total": 0}
 
-            def on_progress(done: int, total: int, state: dict[str, int] = state) -> None:
+            def progress(
+                done: int, total: int, state: dict[str, int] = state, strategy: str = strategy
+            ) -> None:
                 state["done"], state["total"] = done, total
+                if on_progress is not None:
+                    on_progress(strategy, done, total)
 
             assert fleet.plugin is not None
             cpu0 = process_cpu_seconds(fleet.plugin.pid)
             routed0 = await _plugin_routed(session, fleet)
-            ticker = asyncio.ensure_future(_progress(strategy, opts.warmup + opts.demo_s, state))
+            ticker = None
+            if on_progress is None:
+                ticker = asyncio.ensure_future(
+                    _progress(strategy, opts.warmup + opts.demo_s, state)
+                )
             try:
                 results = await run_open_loop(
                     fleet.envoy_url,
                     opts.model,
                     workload,
                     strategy=strategy,
-                    on_progress=on_progress,
+                    on_progress=progress,
                 )
             finally:
-                ticker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await ticker
+                if ticker is not None:
+                    ticker.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await ticker
             cpu1 = process_cpu_seconds(fleet.plugin.pid)
             routed = await _plugin_routed(session, fleet) - routed0
             summary = summarize(
@@ -138,9 +157,9 @@ async def run_demo(fleet: LocalFleet, opts: UpOptions) -> dict[str, Any]:
     return summaries
 
 
-async def up(opts: UpOptions) -> int:
-    opts.check()
-    spec = FleetSpec(
+def fleet_spec(opts: UpOptions) -> FleetSpec:
+    """The stack `up` starts for these options (`bench` starts the same one)."""
+    return FleetSpec(
         model=opts.model,
         presets=opts.presets,
         time_scale=opts.time_scale,
@@ -148,7 +167,11 @@ async def up(opts: UpOptions) -> int:
         max_num_seqs=opts.max_num_seqs,
         listen_port=opts.port,
     )
-    fleet = LocalFleet(spec)
+
+
+async def up(opts: UpOptions) -> int:
+    opts.check()
+    fleet = LocalFleet(fleet_spec(opts))
     _say("starting mock engines, the plugin and Envoy ...")
     async with fleet:
         for e in fleet.engines:
