@@ -1,0 +1,28 @@
+# The plugin image: `hetero-gateway serve` (ext_proc gRPC on 50052, HTTP /metrics /healthz /readyz
+# on 8080). Build: docker build -t hetero-gateway:0.1.0 .
+# Runtime dependencies only (no test or bench extras); the project is installed into a venv in a
+# build stage and only that venv is copied into the final image.
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+RUN python -m venv /opt/hetero-gateway
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY plugin ./plugin
+# pip and setuptools only install; the running plugin imports neither.
+RUN /opt/hetero-gateway/bin/pip install --no-cache-dir . \
+    && /opt/hetero-gateway/bin/pip uninstall --yes setuptools pip
+
+FROM python:${PYTHON_VERSION}-slim
+# A fixed numeric UID so Kubernetes can check runAsNonRoot (deploy/base/deployment.yaml uses it).
+RUN groupadd --system --gid 10001 hetero \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin hetero
+COPY --from=build /opt/hetero-gateway /opt/hetero-gateway
+ENV PATH=/opt/hetero-gateway/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+EXPOSE 50052 8080
+ENTRYPOINT ["hetero-gateway", "serve"]
