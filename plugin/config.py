@@ -58,6 +58,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Replicas with less free KV cache than this are passed over.",
     ),
     EnvVar(
+        "HETERO_GATEWAY_LB_AVOID_FULL_BATCHES",
+        "bool",
+        "true",
+        "load-balance passes over a replica whose engine batch is full (in flight >= the running"
+        " count at which its engine kept a queue) while another has room; `false` is the"
+        " reference algorithm (docs/benchmarks.md shows why).",
+    ),
+    EnvVar(
         "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS",
         "int > 0",
         "1000",
@@ -163,6 +171,18 @@ def _parse(
     return value
 
 
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean (true/false)")
+
+
 def _port(env: Mapping[str, str], name: str, default: int) -> int:
     return _parse(env, name, int, default, lambda v: 0 <= v <= 65535, "a port (0-65535)")
 
@@ -201,6 +221,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             lambda v: 0 <= v <= 1,
             "a number in [0, 1]",
         ),
+        avoid_full_batches=_bool(env, "HETERO_GATEWAY_LB_AVOID_FULL_BATCHES", True),
     )
     refresh_ms = _parse(
         env,

@@ -82,6 +82,7 @@ class PodPool:
         "_metrics_max_age_s",
         "_pods",
         "_routed",
+        "_saturation",
         "loaded",
     )
 
@@ -101,6 +102,7 @@ class PodPool:
         self._inflight: dict[str, int] = {}
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
+        self._saturation: dict[str, int] = {}
         self.loaded = False  # True once discovery delivered its first list
 
     # discovery -------------------------------------------------------------------------------
@@ -114,6 +116,7 @@ class PodPool:
             self._capacity.ensure(pod.key)
         for key in self._pods.keys() - new.keys():
             self._metrics.pop(key, None)
+            self._saturation.pop(key, None)
             self._capacity.forget(key)
             self._health.pop(key, None)
             self._routed.pop(key, None)
@@ -154,7 +157,14 @@ class PodPool:
         if scraped is not None and now - scraped.at <= self._metrics_max_age_s:
             waiting = scraped.metrics.waiting
             kv = scraped.metrics.kv_usage
-        return Candidate(pod, self._inflight.get(key, 0), waiting, kv, self._capacity.estimate(key))
+        return Candidate(
+            pod,
+            self._inflight.get(key, 0),
+            waiting,
+            kv,
+            self._capacity.estimate(key),
+            self._saturation.get(key),
+        )
 
     def acquire(self, pod: Pod) -> Lease:
         key = pod.key
@@ -209,8 +219,31 @@ class PodPool:
 
     # background ------------------------------------------------------------------------------
     def update_metrics(self, key: str, metrics: EngineMetrics, now: float) -> None:
-        if key in self._pods:
-            self._metrics[key] = _Scraped(metrics, now)
+        if key not in self._pods:
+            return
+        previous = self._metrics.get(key)
+        self._metrics[key] = _Scraped(metrics, now)
+        self._learn_saturation(key, metrics, None if previous is None else previous.metrics)
+
+    def _learn_saturation(
+        self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None
+    ) -> None:
+        """An engine at its batch cap keeps a queue while running the same number of requests:
+        that number is the most it runs at once. Running more without a queue raises it.
+
+        A queue must show in two scrapes in a row with the same running count. A request that
+        just arrived waits for the next step, and a burst of long prompts waits for the step's
+        token budget; neither is a cap, and the running count moves between them.
+        """
+        running, waiting = metrics.running, metrics.waiting
+        if running is None or waiting is None or not running >= 1:  # also rejects NaN
+            return
+        known = self._saturation.get(key)
+        held = (
+            previous is not None and (previous.waiting or 0.0) >= 1 and previous.running == running
+        )
+        if (waiting >= 1 and held) or (known is not None and running > known):
+            self._saturation[key] = int(running)
 
     def refresh_capacity(self, now: float) -> None:
         self._capacity.refresh(now)
@@ -228,6 +261,9 @@ class PodPool:
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
 
+    def saturation(self, key: str) -> int | None:
+        return self._saturation.get(key)
+
     def snapshot(self, now: float) -> dict[str, Any]:
         """JSON-ready view for /debug/pods and tests."""
         pods: dict[str, Any] = {}
@@ -244,6 +280,7 @@ class PodPool:
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),
+                "saturation": self.saturation(key),
                 "ejected": self.ejected(key, now),
                 "engine": None
                 if scraped is None

@@ -17,12 +17,14 @@ from plugin.errors import RoutingFailed
 
 __all__ = [
     "LoadBalance",
+    "Strategy",
     "StrategyParams",
     "build_strategies",
     "kv_free",
     "load_balance_scores",
     "register_strategy",
     "strategy_names",
+    "with_room",
 ]
 
 
@@ -33,6 +35,9 @@ class StrategyParams:
     queued_weight: float = 0.0  # lambda
     kv_pressure_alpha: float = 2.0  # alpha
     kv_critical_free: float = 0.10
+    # Pass over replicas whose engine batch is full (in flight >= the running count at which
+    # the engine was seen queueing) while another has room. False is the reference algorithm.
+    avoid_full_batches: bool = True
 
 
 class Strategy(Protocol):
@@ -107,6 +112,45 @@ class LeastRequest:
         return _random_min(candidates, [(float(c.running),) for c in candidates], rng)
 
 
+@register_strategy("round-robin")
+class RoundRobin:
+    """Candidates in turn, blind to load (Envoy's default policy): a baseline to compare with."""
+
+    __slots__ = ("_next", "params")
+    name = "round-robin"
+
+    def __init__(self, params: StrategyParams) -> None:
+        self.params = params
+        self._next = 0
+
+    def pick(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
+    ) -> Candidate:
+        _require(candidates)
+        chosen = candidates[self._next % len(candidates)]
+        self._next += 1
+        return chosen
+
+
+@register_strategy("power-of-two")
+@dataclass(frozen=True, slots=True)
+class PowerOfTwo:
+    """Two candidates at random, the one with fewer in flight (Envoy's LEAST_REQUEST default)."""
+
+    params: StrategyParams
+    name: str = "power-of-two"
+
+    def pick(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
+    ) -> Candidate:
+        _require(candidates)
+        if len(candidates) <= 2:
+            pair: Sequence[Candidate] = candidates
+        else:
+            pair = rng.sample(candidates, 2)
+        return _random_min(pair, [(float(c.running),) for c in pair], rng)
+
+
 def kv_free(kv_usage: float | None) -> float:
     """1 - KV usage clamped to [0, 1]; a missing or NaN metric counts as fully free."""
     if kv_usage is None or math.isnan(kv_usage):
@@ -152,6 +196,16 @@ def load_balance_scores(candidates: Sequence[Candidate], params: StrategyParams)
     return scores
 
 
+def with_room(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    """Candidates whose engine batch has room for one more, or all of them if none has.
+
+    A request sent to a replica at its batch cap waits in the engine queue, however fast the
+    replica is: the time per token the score balances hides that wait, which lands on TTFT.
+    """
+    room = [c for c in candidates if c.saturation is None or c.running < c.saturation]
+    return room if room else candidates
+
+
 @register_strategy("load-balance")
 @dataclass(frozen=True, slots=True)
 class LoadBalance:
@@ -168,6 +222,8 @@ class LoadBalance:
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
     ) -> Candidate:
         _require(candidates)
+        if self.params.avoid_full_batches:
+            candidates = with_room(candidates)
         scores = load_balance_scores(candidates, self.params)
         frees = [kv_free(c.kv_usage) for c in candidates]
         if all(math.isinf(s) for s in scores):

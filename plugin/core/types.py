@@ -49,6 +49,9 @@ class Candidate:
     waiting: float | None  # engine queue; None when unknown or stale
     kv_usage: float | None  # 0..1; None when unknown, stale or NaN
     capacity: float | None  # learned output tokens/s; None before the first estimate
+    # Requests the engine runs at once when it starts queueing (its batch cap as observed);
+    # None until a scrape has shown the engine queueing.
+    saturation: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

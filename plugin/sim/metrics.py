@@ -1,0 +1,103 @@
+"""Figures of one simulated run: SLO attainment, goodput, latency percentiles, per-replica shares.
+
+Utilisation of a replica is its output tokens/s over the measured window divided by its
+saturated decode rate (`max_num_seqs` sequences in every step, no prefill): the fraction of the
+GPU's token ceiling it delivered. `busy` is the fraction of the window it spent running steps,
+which reaches 1 long before the ceiling in a continuous-batching engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plugin.sim.fleet import RequestRecord, RunResult
+
+__all__ = ["Slo", "attainment", "percentile", "summarize"]
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float = 1.0
+    tpot_s: float = 0.06
+
+    def met(self, r: RequestRecord) -> bool:
+        return r.completed and r.ttft <= self.ttft_s and r.tpot <= self.tpot_s
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def attainment(result: RunResult, slo: Slo) -> float:
+    measured = [r for r in result.records if r.measured]
+    if not measured:
+        return math.nan
+    return sum(1 for r in measured if slo.met(r)) / len(measured)
+
+
+def _spread(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v) and v > 0]
+    return max(finite) / min(finite) if len(finite) >= 2 else math.nan
+
+
+def summarize(result: RunResult, slo: Slo) -> dict[str, Any]:
+    """JSON-ready figures of the measured window (times in seconds)."""
+    measured = [r for r in result.records if r.measured]
+    window = result.window_s
+    done = [r for r in measured if r.completed]
+    met = sum(1 for r in measured if slo.met(r))
+    ttfts = [r.ttft for r in done]
+    tpots = [r.tpot for r in done if r.output_tokens > 1]
+    replicas: dict[str, Any] = {}
+    ceiling = 0.0
+    delivered = 0.0
+    for i, (name, profile) in enumerate(zip(result.replicas, result.profiles, strict=True)):
+        mine = [r for r in done if r.replica == i]
+        sat = profile.saturated_tokens_per_s()
+        tokens_per_s = result.windows[i].output_tokens / window if window > 0 else math.nan
+        ceiling += sat
+        delivered += tokens_per_s if math.isfinite(tokens_per_s) else 0.0
+        replicas[name] = {
+            "gpu": profile.name,
+            "share": sum(1 for r in measured if r.replica == i) / len(measured)
+            if measured
+            else math.nan,
+            "capacity_share": math.nan,  # filled below
+            "tpot_p50": percentile([r.tpot for r in mine if r.output_tokens > 1], 50),
+            "tpot_p99": percentile([r.tpot for r in mine if r.output_tokens > 1], 99),
+            "ttft_p99": percentile([r.ttft for r in mine], 99),
+            "e2e_per_token_p99": percentile([r.e2e_per_token for r in mine], 99),
+            "utilization": tokens_per_s / sat,
+            "busy": result.windows[i].busy_s / window if window > 0 else math.nan,
+            "output_tokens_per_s": tokens_per_s,
+            "saturated_tokens_per_s": sat,
+            "preemptions": result.windows[i].preemptions,
+        }
+    for entry in replicas.values():
+        entry["capacity_share"] = entry["saturated_tokens_per_s"] / ceiling
+    return {
+        "requests": len(measured),
+        "completed": len(done),
+        "dropped": len(measured) - len(done),
+        "offered_rate": len(measured) / window if window > 0 else math.nan,
+        "attainment": met / len(measured) if measured else math.nan,
+        "goodput": met / window if window > 0 else math.nan,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "tpot_p50": percentile(tpots, 50),
+        "tpot_p99": percentile(tpots, 99),
+        "e2e_per_token_p99": percentile([r.e2e_per_token for r in done], 99),
+        "output_tokens_per_s": delivered,
+        "token_ceiling_per_s": ceiling,
+        "tpot_p50_ratio": _spread([v["tpot_p50"] for v in replicas.values()]),
+        "utilization_spread": _spread([v["utilization"] for v in replicas.values()]),
+        "replicas": replicas,
+    }

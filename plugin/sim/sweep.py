@@ -1,0 +1,147 @@
+"""SLO capacity per replica, the oracle goodput bound G*, load sweeps and max sustainable rates.
+
+Every run of a scenario at a given rate replays the same seeded request stream, so strategies are
+compared on identical traffic (common random numbers) and a result is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from plugin.core.strategies import Strategy, build_strategies, strategy_names
+from plugin.core.types import Candidate, RequestInfo
+from plugin.errors import RoutingFailed
+from plugin.sim.engine import GpuProfile
+from plugin.sim.fleet import GatewayModel, RunResult, replica_names, simulate
+from plugin.sim.metrics import Slo, attainment
+from plugin.sim.workload import Arrivals, LengthSource, SimRequest, generate
+
+__all__ = [
+    "ORACLE",
+    "CapacityWeighted",
+    "Scenario",
+    "bisect_rate",
+    "known_strategies",
+    "make_strategy",
+    "run_at",
+    "slo_capacities",
+]
+
+ORACLE = "capacity-weighted"
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityWeighted:
+    """Oracle baseline: random, weighted by each replica's true capacity (given, not learned)."""
+
+    weights: Mapping[str, float]  # pod name -> capacity
+    name: str = ORACLE
+
+    def pick(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
+    ) -> Candidate:
+        if not candidates:
+            raise RoutingFailed("no candidate pods")
+        weights = [max(0.0, self.weights.get(c.pod.name, 0.0)) for c in candidates]
+        if sum(weights) <= 0:
+            return rng.choice(candidates)
+        return rng.choices(candidates, weights)[0]
+
+
+def known_strategies() -> list[str]:
+    return sorted(strategy_names() | {ORACLE})
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    profiles: tuple[GpuProfile, ...]
+    lengths: LengthSource
+    arrivals: Arrivals = field(default_factory=Arrivals)
+    slo: Slo = field(default_factory=Slo)
+    gateway: GatewayModel = field(default_factory=GatewayModel)
+    measured_requests: int = 2000
+    warmup_s: float = 120.0
+    seed: int = 1
+    target: float = 0.99  # attainment a rate must reach to count as sustained
+
+    def requests(self, rate: float) -> list[SimRequest]:
+        n = math.ceil(rate * self.warmup_s) + self.measured_requests
+        return generate(self.lengths, self.arrivals, rate, n, random.Random(self.seed))
+
+
+def make_strategy(
+    name: str, scenario: Scenario, capacities: Mapping[str, float] | None = None
+) -> Strategy:
+    """A fresh strategy (round-robin keeps state) with the scenario's score parameters."""
+    if name == ORACLE:
+        if capacities is None:
+            names = replica_names(scenario.profiles)
+            capacities = {
+                n: p.saturated_tokens_per_s() for n, p in zip(names, scenario.profiles, strict=True)
+            }
+        return CapacityWeighted(dict(capacities))
+    strategies = build_strategies(scenario.gateway.params)
+    if name not in strategies:
+        raise ValueError(f"unknown strategy {name!r}; known: {', '.join(known_strategies())}")
+    return strategies[name]
+
+
+def run_at(
+    scenario: Scenario,
+    strategy: str,
+    rate: float,
+    capacities: Mapping[str, float] | None = None,
+) -> RunResult:
+    return simulate(
+        scenario.profiles,
+        make_strategy(strategy, scenario, capacities),
+        scenario.requests(rate),
+        warmup_s=scenario.warmup_s,
+        gateway=scenario.gateway,
+        seed=scenario.seed,
+    )
+
+
+def bisect_rate(passes: Callable[[float], bool], guess: float, iterations: int = 9) -> float:
+    """Largest rate that passes, assuming pass/fail is monotone in the rate.
+
+    Grows the upper bound from `guess` until a rate fails, then bisects.
+    """
+    if guess <= 0:
+        raise ValueError("guess must be positive")
+    lo, hi = 0.0, guess
+    while passes(hi):
+        lo, hi = hi, hi * 2
+        if hi > guess * 64:
+            return lo
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def slo_capacities(scenario: Scenario) -> dict[str, float]:
+    """Per replica: the largest rate it serves alone with attainment >= target (req/s).
+
+    Replicas of the same type share one bisection. The warm-up is short: one replica has no
+    routing to learn, only its queue to fill.
+    """
+    names = replica_names(scenario.profiles)
+    mean_out = scenario.lengths.mean_output
+    by_profile: dict[GpuProfile, float] = {}
+    for profile in scenario.profiles:
+        if profile in by_profile:
+            continue
+        alone = replace(scenario, profiles=(profile,), warmup_s=min(scenario.warmup_s, 30.0))
+
+        def passes(rate: float, alone: Scenario = alone) -> bool:
+            return attainment(run_at(alone, "round-robin", rate), alone.slo) >= alone.target
+
+        by_profile[profile] = bisect_rate(passes, profile.saturated_tokens_per_s() / mean_out)
+    return {n: by_profile[p] for n, p in zip(names, scenario.profiles, strict=True)}
