@@ -18,6 +18,8 @@ _COMMAND_MODULES = (
     "plugin.adapters.envoy_config",
     "plugin.mock_engine.cli",
     "plugin.demo.cli",
+    "plugin.sim.cli",
+    "plugin.bench.cli",
 )
 
 

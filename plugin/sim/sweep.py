@@ -10,17 +10,19 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from plugin.core.strategies import Strategy, build_strategies, strategy_names
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import RoutingFailed
 from plugin.sim.engine import GpuProfile
 from plugin.sim.fleet import GatewayModel, RunResult, replica_names, simulate
-from plugin.sim.metrics import Slo, attainment
+from plugin.sim.metrics import Slo, attainment, summarize
 from plugin.sim.workload import Arrivals, LengthSource, SimRequest, generate
 
 __all__ = [
     "ORACLE",
+    "REFERENCE",
     "CapacityWeighted",
     "Scenario",
     "bisect_rate",
@@ -28,9 +30,12 @@ __all__ = [
     "make_strategy",
     "run_at",
     "slo_capacities",
+    "study",
 ]
 
 ORACLE = "capacity-weighted"
+# load-balance with the reference algorithm exactly (no full-batch rule), to compare in one run.
+REFERENCE = "load-balance-reference"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +57,7 @@ class CapacityWeighted:
 
 
 def known_strategies() -> list[str]:
-    return sorted(strategy_names() | {ORACLE})
+    return sorted(strategy_names() | {ORACLE, REFERENCE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +88,10 @@ def make_strategy(
                 n: p.saturated_tokens_per_s() for n, p in zip(names, scenario.profiles, strict=True)
             }
         return CapacityWeighted(dict(capacities))
-    strategies = build_strategies(scenario.gateway.params)
+    params = scenario.gateway.params
+    if name == REFERENCE:
+        return build_strategies(replace(params, avoid_full_batches=False))["load-balance"]
+    strategies = build_strategies(params)
     if name not in strategies:
         raise ValueError(f"unknown strategy {name!r}; known: {', '.join(known_strategies())}")
     return strategies[name]
@@ -145,3 +153,76 @@ def slo_capacities(scenario: Scenario) -> dict[str, float]:
 
         by_profile[profile] = bisect_rate(passes, profile.saturated_tokens_per_s() / mean_out)
     return {n: by_profile[p] for n, p in zip(names, scenario.profiles, strict=True)}
+
+
+def _key(fraction: float) -> str:
+    return f"{fraction:g}"
+
+
+def study(
+    scenario: Scenario,
+    strategies: Sequence[str],
+    loads: Sequence[float],
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """G*, then per strategy a load sweep in fractions of G* and the max sustainable rate.
+
+    JSON-ready; `progress` is called once per finished unit of work with a short label.
+    """
+    for name in strategies:
+        make_strategy(name, scenario)  # unknown names fail before any work
+    capacities = slo_capacities(scenario)
+    progress("slo capacity")
+    g_star = sum(capacities.values())
+    out: dict[str, Any] = {
+        "replicas": replica_names(scenario.profiles),
+        "slo_capacity": capacities,
+        "g_star": g_star,
+        "loads": [float(f) for f in loads],
+        "strategies": {},
+    }
+    for name in strategies:
+        runs = {
+            _key(f): summarize(run_at(scenario, name, f * g_star, capacities), scenario.slo)
+            for f in loads
+        }
+
+        def passes(rate: float, name: str = name) -> bool:
+            result = run_at(scenario, name, rate, capacities)
+            return attainment(result, scenario.slo) >= scenario.target
+
+        max_rate = bisect_rate(passes, g_star, iterations=7)
+        per_replica = {
+            "share": "share",
+            "utilization": "utilization",
+            "busy": "busy",
+            "tpot_p50_per_replica": "tpot_p50",
+            "e2e_per_token_p99_per_replica": "e2e_per_token_p99",
+        }
+        entry: dict[str, Any] = {
+            "max_rate": max_rate,
+            "max_rate_over_g_star": max_rate / g_star if g_star > 0 else math.nan,
+            "tpot_p50_ratio": {k: r["tpot_p50_ratio"] for k, r in runs.items()},
+        }
+        for out_name, field_name in per_replica.items():
+            entry[out_name] = {
+                k: {rep: v[field_name] for rep, v in r["replicas"].items()} for k, r in runs.items()
+            }
+        for field_name in (
+            "attainment",
+            "goodput",
+            "ttft_p50",
+            "ttft_p99",
+            "tpot_p50",
+            "tpot_p99",
+            "e2e_per_token_p99",
+            "output_tokens_per_s",
+            "utilization_spread",
+            "dropped",
+            "requests",
+        ):
+            entry[field_name] = {k: r[field_name] for k, r in runs.items()}
+        entry["token_ceiling_per_s"] = sum(p.saturated_tokens_per_s() for p in scenario.profiles)
+        out["strategies"][name] = entry
+        progress(name)
+    return out
