@@ -101,7 +101,9 @@ def _apply_patch(objects: list[Obj], patch: Obj, directory: Path) -> None:
         raise KustomizeError(f"unsupported patch entry {sorted(patch)}: need target + patch/path")
     target = patch["target"]
     if set(target) - _TARGET_KEYS:
-        raise KustomizeError(f"unsupported patch target fields {sorted(set(target) - _TARGET_KEYS)}")
+        raise KustomizeError(
+            f"unsupported patch target fields {sorted(set(target) - _TARGET_KEYS)}"
+        )
     text = patch["patch"] if "patch" in patch else (directory / patch["path"]).read_text("utf-8")
     ops = yaml.safe_load(text)
     if not isinstance(ops, list):

@@ -1,0 +1,911 @@
+"""The Kubernetes manifests in deploy/ and the Dockerfile, checked without a cluster.
+
+Each overlay is rendered (with `kubectl kustomize` when it is installed, else with
+tests/kustomize_lite.py, which must then agree with it), every Envoy Gateway and Gateway API object
+is validated against the CRD schemas in ../shared/data/crds/ (unknown fields rejected, as kubectl's
+strict field validation does), the CEL rules those CRDs enforce on the fields we use are mirrored,
+and the names, ports, limits and timeouts that must agree across objects, with the plugin's own
+defaults (plugin.config, plugin.adapters.envoy_config) and with the Dockerfile are compared.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from plugin.adapters.envoy_config import (
+    LB_METADATA_NAMESPACE,
+    ORIGINAL_DST_CLUSTER,
+    TARGET_POD_HEADER,
+    EnvoyOptions,
+    render_bootstrap,
+)
+from plugin.config import DEFAULT_MAX_MESSAGE_BYTES, ENV_VARS, Settings, load_settings
+from plugin.core.router import LLM_PATHS
+from tests.kustomize_lite import KustomizeError, build, resource_id
+
+Obj = dict[str, Any]
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+CRD_DIR = REPO.parent / "shared" / "data" / "crds"
+OVERLAYS = ("original-dst", "override-host")
+GATEWAY_GROUPS = ("gateway.envoyproxy.io", "gateway.networking.k8s.io")
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "GatewayClass"}
+PART_OF = ("app.kubernetes.io/part-of", "hetero-gateway")
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # DESIGN.md section 4
+# Variables the manifests set that plugin.config does not read yet (Kubernetes discovery, Redis,
+# replica identity): designed for the engineers wiring them.
+DESIGNED_VARS = {
+    "HETERO_GATEWAY_DISCOVERY",
+    "HETERO_GATEWAY_K8S_NAMESPACE",
+    "REDIS_HOST",
+    "REDIS_PORT",
+    "REDIS_PASSWORD",
+    "POD_NAME",
+    "POD_NAMESPACE",
+}
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _kubectl_render(overlay: str) -> tuple[Obj, ...]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl is not None
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"kubectl kustomize {overlay} failed:\n{proc.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc is not None)
+
+
+def render(overlay: str) -> list[Obj]:
+    """The overlay's objects (a fresh copy: tests may mutate them)."""
+    if shutil.which("kubectl"):
+        return copy.deepcopy(list(_kubectl_render(overlay)))
+    return build(DEPLOY / "overlays" / overlay)
+
+
+def group_of(obj: Obj) -> str:
+    return str(obj["apiVersion"]).rpartition("/")[0]
+
+
+def find(objs: list[Obj], kind: str, name: str | None = None) -> list[Obj]:
+    return [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
+
+
+def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    hits = find(objs, kind, name)
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
+def quantity_bytes(value: int | str) -> int:
+    """A Kubernetes quantity ("4Mi", "128Mi", 4194304) in bytes; binary suffixes only."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"([0-9]+)(Ki|Mi|Gi)?", value)
+    assert m, f"unsupported quantity {value!r}"
+    return int(m.group(1)) * {None: 1, "Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}[m.group(2)]
+
+
+def duration_s(value: str) -> float:
+    """A Gateway API / Envoy Gateway duration ("60s", "1m30s", "500ms", "0s") in seconds."""
+    parts = re.findall(r"([0-9]+)(h|ms|m|s)", value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"bad duration {value!r}"
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    return sum(int(n) * scale[u] for n, u in parts)
+
+
+# --- CRD schemas ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _crd_versions() -> dict[tuple[str, str, str], Obj]:
+    """(group, version, kind) -> the CRD's version entry, for every served version."""
+    if not CRD_DIR.is_dir():
+        pytest.fail(
+            f"CRD schemas not found at {CRD_DIR} (expected ../shared/data/crds/ beside the repo; "
+            "see shared/data/README.md). The manifest tests cannot run without them."
+        )
+    versions: dict[tuple[str, str, str], Obj] = {}
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if not doc or doc.get("kind") != "CustomResourceDefinition":
+                continue
+            spec = doc["spec"]
+            for version in spec["versions"]:
+                if version.get("served"):
+                    versions[(spec["group"], version["name"], spec["names"]["kind"])] = version
+    return versions
+
+
+def strict_schema(node: Any) -> Any:
+    """A Kubernetes structural schema as JSON Schema that also rejects unknown fields.
+
+    The API server prunes unknown fields and kubectl (strict field validation, the default) rejects
+    them, so a misspelt field must fail here too: every object schema with `properties` gets
+    `additionalProperties: false` unless it preserves unknown fields. `x-kubernetes-*` extensions
+    are dropped (CEL rules are mirrored by hand below), `nullable` becomes a null type.
+    """
+    if isinstance(node, list):
+        return [strict_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {
+        key: strict_schema(value)
+        for key, value in node.items()
+        if not key.startswith("x-kubernetes-") and key not in ("description", "nullable")
+    }
+    if "properties" in node:
+        # Property names are data here, not schema keywords.
+        out["properties"] = {k: strict_schema(v) for k, v in node["properties"].items()}
+        if "additionalProperties" not in node and not node.get(
+            "x-kubernetes-preserve-unknown-fields"
+        ):
+            out["additionalProperties"] = False
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    return out
+
+
+def schema_errors(obj: Obj) -> list[str]:
+    group, _, version = str(obj["apiVersion"]).rpartition("/")
+    entry = _crd_versions().get((group, version, obj["kind"]))
+    assert entry is not None, f"no served CRD version for {obj['apiVersion']} {obj['kind']}"
+    schema = strict_schema(entry["schema"]["openAPIV3Schema"])
+    validator = jsonschema.Draft7Validator(schema)
+    return [
+        f"{'/'.join(str(p) for p in err.absolute_path) or '<root>'}: {err.message}"
+        for err in validator.iter_errors(obj)
+    ]
+
+
+def cel_messages(kind: str) -> set[str]:
+    """Every x-kubernetes-validations message in the served CRD versions of `kind`."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for rule in node.get("x-kubernetes-validations", []) or []:
+                found.add(rule["message"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    for (_, _, k), entry in _crd_versions().items():
+        if k == kind:
+            walk(entry["schema"])
+    return found
+
+
+# --- the rendered tree ---------------------------------------------------------------------------
+
+
+def test_crds_for_every_gateway_kind_we_use_are_present() -> None:
+    kinds = {k for (_, _, k) in _crd_versions()}
+    wanted = {
+        "GatewayClass",
+        "Gateway",
+        "HTTPRoute",
+        "EnvoyExtensionPolicy",
+        "EnvoyPatchPolicy",
+        "ClientTrafficPolicy",
+        "BackendTrafficPolicy",
+    }
+    assert wanted <= kinds, f"missing CRDs: {sorted(wanted - kinds)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_lite_renderer_agrees_with_kubectl(overlay: str) -> None:
+    if not shutil.which("kubectl"):
+        pytest.skip("kubectl is not installed; the tests render with tests/kustomize_lite.py")
+    ours = {resource_id(o): o for o in build(DEPLOY / "overlays" / overlay)}
+    theirs = {resource_id(o): o for o in _kubectl_render(overlay)}
+    assert sorted(ours) == sorted(theirs)
+    for rid, obj in theirs.items():
+        assert ours[rid] == obj, f"{rid} renders differently"
+
+
+@pytest.mark.parametrize(
+    ("kustomization", "files", "message"),
+    [
+        pytest.param("namePrefix: x-\nresources: [a.yaml]\n", {}, "unsupported", id="unknown-key"),
+        pytest.param(
+            "resources: [a.yaml]\npatches:\n  - target: {kind: ConfigMap}\n"
+            "    patch: |-\n      metadata: {labels: {a: b}}\n",
+            {},
+            "JSON 6902",
+            id="strategic-merge-patch",
+        ),
+        pytest.param(
+            "resources: [a.yaml]\npatches:\n  - target: {kind: Secret}\n"
+            "    patch: '[{op: add, path: /data, value: {}}]'\n",
+            {},
+            "matches no resource",
+            id="patch-without-target",
+        ),
+        pytest.param("resources: [a.yaml, b.yaml]\n", {"b.yaml": None}, "twice", id="duplicate"),
+        pytest.param("resources: [missing.yaml]\n", {}, "does not exist", id="missing-file"),
+    ],
+)
+def test_lite_renderer_refuses_what_it_does_not_support(
+    tmp_path: Path, kustomization: str, files: dict[str, None], message: str
+) -> None:
+    cm = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a, namespace: n}\n"
+    (tmp_path / "a.yaml").write_text(cm)
+    for name in files:
+        (tmp_path / name).write_text(cm)
+    (tmp_path / "kustomization.yaml").write_text(kustomization)
+    with pytest.raises(KustomizeError, match=message):
+        build(tmp_path)
+
+
+def test_lite_renderer_patches_images_and_labels(tmp_path: Path) -> None:
+    (tmp_path / "d.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d, namespace: n}\n"
+        "spec:\n  template:\n    spec:\n      containers:\n"
+        "        - {name: a, image: 'reg:5000/app:1'}\n        - {name: b, image: other}\n"
+        "      initContainers:\n        - {name: c, image: app}\n"
+    )
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: [d.yaml]\n"
+        "images:\n  - {name: 'reg:5000/app', newTag: '2'}\n"
+        "  - {name: app, newName: r/app, digest: 'sha256:f'}\n"
+        "labels: [{pairs: {team: llm}}]\n"
+        "patches:\n  - target: {kind: Deployment, name: d}\n"
+        "    patch: '[{op: add, path: /spec/replicas, value: 3},"
+        " {op: remove, path: /spec/template/spec/containers/1}]'\n"
+    )
+    [dep] = build(tmp_path)
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["template"]["spec"]["containers"] == [
+        {"name": "a", "image": "reg:5000/app:2"}
+    ]
+    assert dep["spec"]["template"]["spec"]["initContainers"][0]["image"] == "r/app@sha256:f"
+    assert dep["metadata"]["labels"] == {"team": "llm"}
+    assert "labels" not in dep["spec"]["template"].get("metadata", {})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_are_well_formed(overlay: str) -> None:
+    objs = render(overlay)
+    ids = [resource_id(o) for o in objs]
+    assert len(ids) == len(set(ids))
+    for obj in objs:
+        assert obj.get("apiVersion") and obj.get("kind"), obj
+        meta = obj.get("metadata", {})
+        assert meta.get("name"), obj
+        label = f"{obj['kind']}/{meta['name']}"
+        if obj["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in meta, f"{label} is cluster-scoped"
+        else:
+            assert meta.get("namespace") == "hetero-gateway", f"{label} has no namespace"
+        assert meta.get("labels", {}).get(PART_OF[0]) == PART_OF[1], label
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_objects_validate_against_crd_schemas(overlay: str) -> None:
+    checked = [o for o in render(overlay) if group_of(o) in GATEWAY_GROUPS]
+    expected = {
+        "GatewayClass",
+        "Gateway",
+        "HTTPRoute",
+        "EnvoyExtensionPolicy",
+        "ClientTrafficPolicy",
+        "BackendTrafficPolicy",
+    } | ({"EnvoyPatchPolicy"} if overlay == "original-dst" else set())
+    assert {o["kind"] for o in checked} == expected
+    problems = {f"{o['kind']}/{o['metadata']['name']}": schema_errors(o) for o in checked}
+    assert problems == {key: [] for key in problems}, problems
+
+
+def _set(path: str, value: Any) -> Callable[[Obj], None]:
+    def mutate(obj: Obj) -> None:
+        *parents, last = path.split(".")
+        node: Any = obj
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[last] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("kind", "mutate", "expect"),
+    [
+        pytest.param(
+            "EnvoyExtensionPolicy",
+            _set("spec.extProc.0.messageTimout", "60s"),
+            "messageTimout",
+            id="misspelt-field",
+        ),
+        pytest.param(
+            "EnvoyExtensionPolicy",
+            _set("spec.extProc.0.processingMode.request.body", "Buffer"),
+            "Buffer",
+            id="bad-enum",
+        ),
+        pytest.param(
+            "EnvoyExtensionPolicy",
+            _set("spec.extProc.0.messageTimeout", "1 minute"),
+            "does not match",
+            id="bad-duration",
+        ),
+        pytest.param(
+            "ClientTrafficPolicy", _set("spec.connection.bufferLimit", "4MB"), "4MB", id="quantity"
+        ),
+        pytest.param("HTTPRoute", _set("spec.rules.0.matches.0.method", "post"), "post", id="verb"),
+        pytest.param(
+            "EnvoyPatchPolicy", _set("spec.type", "MergePatch"), "MergePatch", id="patch-type"
+        ),
+    ],
+)
+def test_schema_check_catches_mistakes(
+    kind: str, mutate: Callable[[Obj], None], expect: str
+) -> None:
+    obj = one(render("original-dst"), kind)
+    assert schema_errors(obj) == []
+    mutate(obj)
+    errors = schema_errors(obj)
+    assert any(expect in e for e in errors), errors
+
+
+# CEL rules (x-kubernetes-validations) the API server would enforce on the fields we use, by their
+# message in the CRD; the test fails if a message disappears from the CRDs, so the mirror stays
+# honest.
+def _target_refs_ok(spec: Obj, kinds: set[str]) -> bool:
+    refs = spec.get("targetRefs")
+    return (
+        ("targetRef" in spec) != (refs is not None)
+        and all(r["group"] == "gateway.networking.k8s.io" for r in refs or [])
+        and all(r["kind"] in kinds for r in refs or [])
+    )
+
+
+_ROUTE_OR_GATEWAY = {
+    "Gateway",
+    "ListenerSet",
+    "HTTPRoute",
+    "GRPCRoute",
+    "TCPRoute",
+    "UDPRoute",
+    "TLSRoute",
+}
+_CEL_RULES: list[tuple[str, str, Callable[[Obj], bool]]] = [
+    (
+        "EnvoyExtensionPolicy",
+        "either targetRef or targetRefs must be used",
+        lambda s: _target_refs_ok(s, _ROUTE_OR_GATEWAY),
+    ),
+    (
+        "EnvoyExtensionPolicy",
+        "BackendRefs must be used, backendRef is not supported.",
+        lambda s: all("backendRef" not in e and e.get("backendRefs") for e in s["extProc"]),
+    ),
+    (
+        "EnvoyExtensionPolicy",
+        "Must have port for Service reference",
+        lambda s: all(
+            "port" in ref
+            for e in s["extProc"]
+            for ref in e["backendRefs"]
+            if ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""
+        ),
+    ),
+    (
+        "EnvoyExtensionPolicy",
+        "If shadowMode is enabled, body processing mode must be Streamed or unset.",
+        lambda s: all(
+            not e.get("shadowMode")
+            or all(
+                e.get("processingMode", {}).get(d, {}).get("body", "Streamed") == "Streamed"
+                for d in ("request", "response")
+            )
+            for e in s["extProc"]
+        ),
+    ),
+    (
+        "EnvoyExtensionPolicy",
+        "If FullDuplexStreamed body processing mode is used, FailOpen must be false.",
+        lambda s: all(
+            not e.get("failOpen")
+            or all(
+                e.get("processingMode", {}).get(d, {}).get("body") != "FullDuplexStreamed"
+                for d in ("request", "response")
+            )
+            for e in s["extProc"]
+        ),
+    ),
+    (
+        "EnvoyExtensionPolicy",
+        "writableNamespaces cannot contain well-known Envoy HTTP filter namespaces",
+        lambda s: all(
+            not ns.startswith("envoy.filters.http")
+            for e in s["extProc"]
+            for ns in e.get("metadata", {}).get("writableNamespaces", [])
+        ),
+    ),
+    (
+        "ClientTrafficPolicy",
+        "either targetRef or targetRefs must be used",
+        lambda s: _target_refs_ok(s, {"Gateway", "ListenerSet"}),
+    ),
+    (
+        "BackendTrafficPolicy",
+        "either targetRef or targetRefs must be used",
+        lambda s: _target_refs_ok(s, _ROUTE_OR_GATEWAY),
+    ),
+    (
+        "BackendTrafficPolicy",
+        "If LoadBalancer type is consistentHash, consistentHash field needs to be set.",
+        lambda s: (
+            "loadBalancer" not in s
+            or (s["loadBalancer"]["type"] == "ConsistentHash")
+            == ("consistentHash" in s["loadBalancer"])
+        ),
+    ),
+    (
+        "BackendTrafficPolicy",
+        "EndpointOverride is not supported for DynamicModule load balancers.",
+        lambda s: (
+            "loadBalancer" not in s
+            or s["loadBalancer"]["type"] != "DynamicModule"
+            or "endpointOverride" not in s["loadBalancer"]
+        ),
+    ),
+    (
+        "HTTPRoute",
+        "value must be an absolute path and start with '/' when type one of "
+        "['Exact', 'PathPrefix']",
+        lambda s: all(
+            m["path"]["value"].startswith("/")
+            for r in s["rules"]
+            for m in r.get("matches", [])
+            if "path" in m
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize(
+    ("kind", "message", "rule"), _CEL_RULES, ids=[f"{k}:{m[:40]}" for k, m, _ in _CEL_RULES]
+)
+def test_cel_rules_hold(overlay: str, kind: str, message: str, rule: Callable[[Obj], bool]) -> None:
+    assert message in cel_messages(kind), f"the {kind} CRD no longer has this rule: {message}"
+    objs = find(render(overlay), kind)
+    assert objs
+    for obj in objs:
+        assert rule(obj["spec"]), f"{kind}/{obj['metadata']['name']}: {message}"
+
+
+# --- cross-references and agreement with the plugin ----------------------------------------------
+
+
+def _service_port(service: Obj, port: int) -> Obj:
+    [entry] = [p for p in service["spec"]["ports"] if p["port"] == port]
+    return entry
+
+
+def _container_port(container: Obj, name: str) -> int:
+    [port] = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(port)
+
+
+def _plugin_container(objs: list[Obj]) -> Obj:
+    dep = one(objs, "Deployment", "hetero-gateway")
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _selects(service: Obj, pod_labels: dict[str, str]) -> bool:
+    return all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_extension_policy_wires_the_plugin(overlay: str) -> None:
+    objs = render(overlay)
+    eep = one(objs, "EnvoyExtensionPolicy")
+    route = one(objs, "HTTPRoute")
+    assert eep["spec"]["targetRefs"] == [
+        {
+            "group": "gateway.networking.k8s.io",
+            "kind": "HTTPRoute",
+            "name": route["metadata"]["name"],
+        }
+    ]
+    routing, counting = eep["spec"]["extProc"]
+
+    # Both filters reach the plugin's gRPC port through its Service.
+    dep = one(objs, "Deployment", "hetero-gateway")
+    grpc_port = _container_port(_plugin_container(objs), "grpc")
+    assert grpc_port == Settings().grpc_port
+    for ext in (routing, counting):
+        [ref] = ext["backendRefs"]
+        service = one(objs, "Service", ref["name"])
+        assert service["metadata"]["namespace"] == eep["metadata"]["namespace"]
+        assert _service_port(service, ref["port"])["targetPort"] in ("grpc", grpc_port)
+        assert _selects(service, dep["spec"]["template"]["metadata"]["labels"])
+        assert ext["backendSettings"] == routing["backendSettings"]
+
+    # Routing: the modes, timeout, status and metadata of the standalone bootstrap.
+    standalone = EnvoyOptions()
+    assert routing["processingMode"] == {
+        "request": {"body": "Buffered"},
+        "response": {},
+        "allowModeOverride": False,
+    }
+    assert duration_s(routing["messageTimeout"]) == standalone.message_timeout_s
+    assert routing["statusOnError"] == 503
+    assert routing["metadata"]["writableNamespaces"] == [LB_METADATA_NAMESPACE]
+    assert "shadowMode" not in routing
+    # Fail-open only where a request without a pick still has somewhere to go.
+    assert routing["failOpen"] is (overlay == "override-host")
+
+    # Counting: after routing (sees target-pod), never waited on, best effort.
+    assert counting["shadowMode"] is True
+    assert counting["processingMode"] == {"request": {}, "response": {"body": "Streamed"}}
+    assert counting["failOpen"] is True
+
+    # Long-lived streams must not be capped by Envoy's default circuit breakers (1024).
+    breaker = routing["backendSettings"]["circuitBreaker"]
+    assert min(breaker.values()) >= 100_000
+
+
+def test_variants_differ_only_where_they_must() -> None:
+    fail_closed, fail_open = (render(o) for o in OVERLAYS)
+    eep_closed = one(fail_closed, "EnvoyExtensionPolicy")
+    eep_open = one(fail_open, "EnvoyExtensionPolicy")
+    eep_open["spec"]["extProc"][0]["failOpen"] = False
+    assert eep_open == eep_closed
+    btp_open = one(fail_open, "BackendTrafficPolicy")
+    btp_open["spec"].pop("loadBalancer")
+    assert btp_open == one(fail_closed, "BackendTrafficPolicy")
+    rest = {
+        resource_id(o): o
+        for o in fail_closed
+        if o["kind"] not in ("EnvoyPatchPolicy", "EnvoyExtensionPolicy", "BackendTrafficPolicy")
+    }
+    assert rest == {
+        resource_id(o): o
+        for o in fail_open
+        if o["kind"] not in ("EnvoyExtensionPolicy", "BackendTrafficPolicy")
+    }
+
+
+def test_route_rule_zero_holds_exactly_the_paths_the_plugin_routes() -> None:
+    route = one(render("original-dst"), "HTTPRoute")
+    llm_rule, rest = route["spec"]["rules"]
+    assert {(m["method"], m["path"]["type"], m["path"]["value"]) for m in llm_rule["matches"]} == {
+        ("POST", "Exact", path) for path in LLM_PATHS
+    }
+    # The whole streamed answer must fit: no route deadline (the idle timeout ends dead streams).
+    assert duration_s(llm_rule["timeouts"]["request"]) == 0
+    assert rest["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert llm_rule["backendRefs"] == rest["backendRefs"]
+
+
+_JSONPATH = re.compile(r"\.\.routes\[\?match\(@\.name, '(?P<regex>[^']+)'\)\]")
+
+
+def test_patch_policy_names_match_the_rendered_resources() -> None:
+    objs = render("original-dst")
+    epp = one(objs, "EnvoyPatchPolicy")
+    gateway = one(objs, "Gateway")
+    route = one(objs, "HTTPRoute")
+    ns = gateway["metadata"]["namespace"]
+
+    # Envoy Gateway applies a patch policy only in its target Gateway's namespace.
+    assert epp["spec"]["targetRef"] == {
+        "group": "gateway.networking.k8s.io",
+        "kind": "Gateway",
+        "name": gateway["metadata"]["name"],
+    }
+    assert epp["metadata"]["namespace"] == ns
+    assert [p["name"] for p in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]
+
+    cluster_patch, route_patch = epp["spec"]["jsonPatches"]
+    assert cluster_patch["type"] == "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+    assert cluster_patch["operation"]["op"] == "add" and cluster_patch["operation"]["path"] == ""
+    added = cluster_patch["operation"]["value"]["name"]
+    assert cluster_patch["name"] == added
+
+    # Route configuration name: <gateway namespace>/<gateway>/<listener>, for a real listener.
+    assert route_patch["type"] == "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+    listeners = {
+        f"{ns}/{gateway['metadata']['name']}/{listener['name']}"
+        for listener in gateway["spec"]["listeners"]
+    }
+    section = route["spec"]["parentRefs"][0]["sectionName"]
+    assert route_patch["name"] in listeners
+    assert route_patch["name"].endswith(f"/{section}")
+
+    # The JSONPath selects exactly the Envoy routes generated from the HTTPRoute's rule 0
+    # (httproute/<ns>/<route>/rule/<i>/match/<j>/<hostname>) and points them at the new cluster.
+    op = route_patch["operation"]
+    assert op["op"] == "replace" and op["path"] == "/route/cluster" and op["value"] == added
+    m = _JSONPATH.fullmatch(op["jsonPath"])
+    assert m, op["jsonPath"]
+    regex = re.compile(m.group("regex"))
+    prefix = f"httproute/{route['metadata']['namespace']}/{route['metadata']['name']}"
+    for rule_index, rule in enumerate(route["spec"]["rules"]):
+        for match_index in range(len(rule["matches"])):
+            for host in ("*", "llm_example_com"):
+                name = f"{prefix}/rule/{rule_index}/match/{match_index}/{host}"
+                assert bool(regex.fullmatch(name)) is (rule_index == 0), name
+
+
+def test_patch_policy_cluster_is_the_standalone_original_dst_cluster() -> None:
+    epp = one(render("original-dst"), "EnvoyPatchPolicy")
+    cluster = epp["spec"]["jsonPatches"][0]["operation"]["value"]
+    [standalone] = [
+        c
+        for c in render_bootstrap(EnvoyOptions())["static_resources"]["clusters"]
+        if c["name"] == ORIGINAL_DST_CLUSTER
+    ]
+    # The same cluster `hetero-gateway envoy-config` renders (and Envoy accepts in
+    # test_envoy_config): ORIGINAL_DST on `target-pod`, its buffer and circuit breakers.
+    assert cluster == standalone
+    assert cluster["original_dst_lb_config"]["http_header_name"] == TARGET_POD_HEADER
+
+
+def test_override_host_follows_the_pick_and_falls_back_to_round_robin() -> None:
+    objs = render("override-host")
+    assert find(objs, "EnvoyPatchPolicy") == []
+    route = one(objs, "HTTPRoute")
+    btp = one(objs, "BackendTrafficPolicy")
+    assert btp["spec"]["targetRefs"] == [
+        {
+            "group": "gateway.networking.k8s.io",
+            "kind": "HTTPRoute",
+            "name": route["metadata"]["name"],
+        }
+    ]
+    assert btp["spec"]["loadBalancer"] == {
+        "type": "RoundRobin",
+        "endpointOverride": {"extractFrom": [{"header": DESTINATION_HEADER}]},
+    }
+    # The pick (pod IP:model.aibrix.ai/port) must be an endpoint of the route's cluster, whose
+    # endpoints are the Service's pods at its targetPort.
+    for ref in {(b["name"], b["port"]) for r in route["spec"]["rules"] for b in r["backendRefs"]}:
+        service = one(objs, "Service", ref[0])
+        target = _service_port(service, ref[1])["targetPort"]
+        pods = [
+            d["spec"]["template"]["metadata"]["labels"]
+            for d in find(objs, "Deployment")
+            if _selects(service, d["spec"]["template"]["metadata"]["labels"])
+        ]
+        assert pods
+        assert {int(labels["model.aibrix.ai/port"]) for labels in pods} == {target}
+
+
+def test_fail_closed_variant_has_no_endpoint_override() -> None:
+    btp = one(render("original-dst"), "BackendTrafficPolicy")
+    assert "loadBalancer" not in btp["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_buffer_limits_equal_the_plugin_message_limit(overlay: str) -> None:
+    objs = render(overlay)
+    limit = DEFAULT_MAX_MESSAGE_BYTES
+    assert EnvoyOptions().max_request_bytes == limit
+    env = one(objs, "ConfigMap", "hetero-gateway-env")["data"]
+    assert int(env["AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"]) == limit
+    # Listener (413 above it for a BUFFERED body) and upstream buffers.
+    assert (
+        quantity_bytes(one(objs, "ClientTrafficPolicy")["spec"]["connection"]["bufferLimit"])
+        == limit
+    )
+    assert (
+        quantity_bytes(one(objs, "BackendTrafficPolicy")["spec"]["connection"]["bufferLimit"])
+        == limit
+    )
+    # A full body fits one HTTP/2 stream window toward the plugin, with room for framing.
+    http2 = one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["backendSettings"]["http2"]
+    assert quantity_bytes(http2["initialStreamWindowSize"]) >= 2 * limit
+    assert quantity_bytes(http2["initialConnectionWindowSize"]) >= quantity_bytes(
+        http2["initialStreamWindowSize"]
+    )
+    for epp in find(objs, "EnvoyPatchPolicy"):
+        value = epp["spec"]["jsonPatches"][0]["operation"]["value"]
+        assert value["per_connection_buffer_limit_bytes"] == limit
+
+
+def test_stream_idle_timeout_matches_the_standalone_bootstrap() -> None:
+    ctp = one(render("original-dst"), "ClientTrafficPolicy")
+    listener = render_bootstrap(EnvoyOptions())["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    assert duration_s(ctp["spec"]["timeout"]["http"]["streamIdleTimeout"]) == duration_s(
+        hcm["stream_idle_timeout"]
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
+    objs = render(overlay)
+    defaults = Settings()
+    dep = one(objs, "Deployment", "hetero-gateway")
+    pod = dep["spec"]["template"]["spec"]
+    container = _plugin_container(objs)
+    assert _container_port(container, "grpc") == defaults.grpc_port
+    assert _container_port(container, "http") == defaults.http_port
+    assert container["image"].startswith("hetero-gateway:")
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    service = one(objs, "Service", "hetero-gateway")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "grpc": (defaults.grpc_port, "grpc"),
+        "http": (defaults.http_port, "http"),
+    }
+
+    # Settings: every variable is one the plugin documents (or one designed for discovery/Redis),
+    # and the values are its defaults, so load_settings accepts them and changes nothing.
+    [source] = container["envFrom"]
+    env = one(objs, "ConfigMap", source["configMapRef"]["name"])["data"]
+    known = {v.name for v in ENV_VARS} | DESIGNED_VARS
+    assert set(env) <= known, sorted(set(env) - known)
+    assert load_settings(env) == load_settings({})
+    assert int(env["HETERO_GATEWAY_GRPC_PORT"]) == defaults.grpc_port
+    assert env["HETERO_GATEWAY_DISCOVERY"] == "kubernetes"
+    direct = {e["name"]: e["valueFrom"] for e in container["env"]}
+    assert direct["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert direct["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert direct["REDIS_PASSWORD"]["secretKeyRef"]["optional"] is True
+    assert set(direct) <= known
+
+    # Identity and RBAC: the pod's service account may get/list/watch pods.
+    sa = one(objs, "ServiceAccount", pod["serviceAccountName"])
+    binding = one(objs, "ClusterRoleBinding")
+    assert {"kind": "ServiceAccount", **{k: sa["metadata"][k] for k in ("name", "namespace")}} in (
+        binding["subjects"]
+    )
+    role = one(objs, "ClusterRole", binding["roleRef"]["name"])
+    assert any(
+        r["apiGroups"] == [""]
+        and "pods" in r["resources"]
+        and {"get", "list", "watch"} <= set(r["verbs"])
+        for r in role["rules"]
+    )
+
+    # Non-root, as the image's USER.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == _dockerfile_uid()
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_sample_model_spans_two_gpu_types_behind_one_service() -> None:
+    objs = render("original-dst")
+    service = one(objs, "Service", "llama-3-8b")
+    model = service["spec"]["selector"]["model.aibrix.ai/name"]
+    engines = [
+        d
+        for d in find(objs, "Deployment")
+        if _selects(service, d["spec"]["template"]["metadata"]["labels"])
+    ]
+    assert len(engines) == 2
+    products = {
+        d["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for d in engines
+    }
+    assert len(products) == 2
+    for dep in engines:
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert labels["model.aibrix.ai/name"] == model
+        assert labels["model.aibrix.ai/engine"] == "vllm"
+        [container] = dep["spec"]["template"]["spec"]["containers"]
+        # The body's "model" is the label: vLLM must serve under that name, on the labelled port.
+        assert f"--served-model-name={model}" in container["args"]
+        assert f"--port={labels['model.aibrix.ai/port']}" in container["args"]
+        assert _container_port(container, "http") == int(labels["model.aibrix.ai/port"])
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+# --- Dockerfile ----------------------------------------------------------------------------------
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            instruction, _, args = line.partition(" ")
+            out.append((instruction.upper(), args.strip()))
+    return out
+
+
+def _dockerfile_uid() -> int:
+    users = [args for ins, args in _dockerfile() if ins == "USER"]
+    assert users, "the image must not run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit(), "a numeric USER lets Kubernetes check runAsNonRoot"
+    return int(uid)
+
+
+def _final_stage() -> list[tuple[str, str]]:
+    steps = _dockerfile()
+    last_from = max(i for i, (ins, _) in enumerate(steps) if ins == "FROM")
+    return steps[last_from:]
+
+
+def test_dockerfile_runs_serve_as_non_root_on_the_plugin_ports() -> None:
+    steps = _dockerfile()
+    froms = [args for ins, args in steps if ins == "FROM"]
+    assert all(re.match(r"python:\$\{PYTHON_VERSION\}-slim\b", f) for f in froms), froms
+    assert re.search(r"PYTHON_VERSION=3\.1[1-9]\b", " ".join(a for i, a in steps if i == "ARG"))
+    final = _final_stage()
+    assert [a for i, a in final if i == "ENTRYPOINT"] == ['["hetero-gateway", "serve"]']
+    exposed = {int(p) for i, a in final if i == "EXPOSE" for p in a.split()}
+    assert exposed == {Settings().grpc_port, Settings().http_port}
+    assert _dockerfile_uid() != 0
+
+
+def test_dockerfile_installs_runtime_dependencies_only() -> None:
+    runs = " ".join(a for i, a in _dockerfile() if i == "RUN")
+    installs = re.findall(r"pip install ([^&]+)", runs)
+    assert installs, "no pip install"
+    for args in installs:
+        assert "--no-cache-dir" in args
+        assert "[" not in args, f"extras would add test/bench packages: {args}"
+        assert "-e " not in args and "--editable" not in args
+
+
+def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
+    sources = set()
+    for ins, args in _dockerfile():
+        if ins == "COPY" and "--from=" not in args:
+            *srcs, _dest = args.split()
+            sources.update(s.rstrip("/") for s in srcs)
+    for src in sources:
+        assert (REPO / src).exists(), f"COPY {src}: no such path"
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    # Everything is excluded first (.git, .venv, caches, docs images, ...), then the sources
+    # come back, then bytecode caches inside them go again.
+    assert patterns[0] == "*"
+    assert {p[1:].rstrip("/") for p in patterns if p.startswith("!")} == sources
+    assert "**/__pycache__" in patterns
+
+
+def _walk(node: Any) -> Iterator[Any]:
+    yield node
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _walk(item)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_machine_paths_or_placeholders(overlay: str) -> None:
+    for value in _walk(render(overlay)):
+        if isinstance(value, str):
+            assert not value.startswith(("/work/", "/tmp/", "/home/")), value
+            assert "TODO" not in value and "CHANGEME" not in value, value
