@@ -80,3 +80,16 @@ def test_readme_documents_every_variable() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     for var in ENV_VARS:
         assert f"| `{var.name}` |" in readme, var.name
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [(None, True), ("false", False), ("0", False), ("TRUE", True)]
+)
+def test_avoid_full_batches_switch(raw: str | None, expected: bool) -> None:
+    env = {} if raw is None else {"HETERO_GATEWAY_LB_AVOID_FULL_BATCHES": raw}
+    assert load_settings(env).strategy.avoid_full_batches is expected
+
+
+def test_avoid_full_batches_rejects_a_non_boolean() -> None:
+    with pytest.raises(ConfigError, match="HETERO_GATEWAY_LB_AVOID_FULL_BATCHES"):
+        load_settings({"HETERO_GATEWAY_LB_AVOID_FULL_BATCHES": "maybe"})

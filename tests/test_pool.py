@@ -6,7 +6,7 @@ import pytest
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import EjectionPolicy, PodPool
-from plugin.core.types import Pod
+from plugin.core.types import EngineMetrics, Pod
 from plugin.errors import NoReadyPod, UnknownModel
 
 
@@ -155,3 +155,41 @@ def test_a_pod_dead_for_days_keeps_being_ejected() -> None:
         fail(pool, a, 3, now=now)
         assert names(pool, now + 1) == {"b"}
         now += 61.0
+
+
+def _scrape(pool: PodPool, p: Pod, running: float, waiting: float, now: float) -> None:
+    pool.update_metrics(p.key, EngineMetrics(running, waiting, 0.2), now)
+
+
+@pytest.mark.parametrize(
+    ("scrapes", "expected"),
+    [
+        ([(32, 5), (32, 3)], 32),  # a queue held at the same running count: the batch cap
+        ([(32, 5)], None),  # one scrape proves nothing: a request may just have arrived
+        ([(10, 1), (12, 1)], None),  # running moves: a burst waiting for the token budget
+        ([(32, 5), (32, 3), (40, 0)], 40),  # more run without a queue: the cap was higher
+        ([(32, 5), (32, 3), (20, 0)], 32),  # fewer running says nothing new
+        ([(float("nan"), 5), (float("nan"), 5)], None),
+    ],
+    ids=["held", "once", "moving", "raised", "lower", "nan"],
+)
+def test_pool_learns_an_engines_batch_cap_from_its_metrics(
+    scrapes: list[tuple[float, float]], expected: int | None
+) -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    for t, (running, waiting) in enumerate(scrapes):
+        _scrape(pool, a, running, waiting, float(t))
+    assert pool.saturation(a.key) == expected
+    (candidate,) = pool.candidates("m", float(len(scrapes)))
+    assert candidate.saturation == expected
+
+
+def test_a_removed_pod_forgets_its_batch_cap() -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    _scrape(pool, a, 32, 5, 0.0)
+    _scrape(pool, a, 32, 5, 1.0)
+    pool.set_pods([])
+    pool.set_pods([a])
+    assert pool.saturation(a.key) is None

@@ -28,19 +28,26 @@ def cand(
     capacity: float | None = None,
     kv_usage: float | None = None,
     waiting: float | None = None,
+    saturation: int | None = None,
 ) -> Candidate:
     pod = Pod(
         name=name, namespace="ns", model="m", address="10.0.0.1", port=8000, metrics_port=8000
     )
-    return Candidate(pod, running, waiting, kv_usage, capacity)
+    return Candidate(pod, running, waiting, kv_usage, capacity, saturation)
 
 
 def lb(**kw: float) -> object:
     return build_strategies(StrategyParams(**kw))["load-balance"]
 
 
-def test_registry_has_the_three_strategies() -> None:
-    assert {"random", "least-request", "load-balance"} <= strategy_names()
+def test_registry_has_the_strategies() -> None:
+    assert {
+        "random",
+        "least-request",
+        "load-balance",
+        "round-robin",
+        "power-of-two",
+    } <= strategy_names()
 
 
 def test_worked_example() -> None:
@@ -179,3 +186,50 @@ def test_scores_are_finite_or_inf_and_pick_is_a_candidate(
         assert score >= 0 and not math.isnan(score)
     for strategy in build_strategies(params).values():
         assert any(strategy.pick(cands, REQ, random.Random(seed)) is c for c in cands)
+
+
+def test_round_robin_takes_candidates_in_turn() -> None:
+    strategy = build_strategies(StrategyParams())["round-robin"]
+    cands = [cand("a", running=9), cand("b"), cand("c")]
+    picks = [strategy.pick(cands, REQ, random.Random(0)).pod.name for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_power_of_two_takes_the_less_loaded_of_two() -> None:
+    strategy = build_strategies(StrategyParams())["power-of-two"]
+    cands = [cand("busy", running=50), cand("idle", running=0), cand("mid", running=10)]
+    rng = random.Random(1)
+    picks = Counter(strategy.pick(cands, REQ, rng).pod.name for _ in range(600))
+    # "busy" only wins a pair against nothing: it is never picked; "mid" only beats "busy".
+    assert picks["busy"] == 0
+    assert picks["idle"] > picks["mid"] > 0
+    assert picks["mid"] == pytest.approx(200, rel=0.25)  # the pair {busy, mid}: 1 in 3
+
+
+@pytest.mark.parametrize(
+    ("saturations", "running", "expected"),
+    [
+        ((32, None), (32, 40), "l20"),  # the a100 is full: the other has room, whatever its score
+        ((32, None), (31, 40), "a100"),  # one slot left: the score decides
+        ((32, 9), (32, 9), "a100"),  # every batch full: the score decides among all
+        ((None, None), (32, 40), "a100"),  # no cap learned yet: the score decides
+    ],
+    ids=["full", "room", "all-full", "unknown"],
+)
+def test_load_balance_passes_over_full_batches(
+    saturations: tuple[int | None, int | None], running: tuple[int, int], expected: str
+) -> None:
+    cands = [
+        cand("a100", running=running[0], capacity=4000, saturation=saturations[0]),
+        cand("l20", running=running[1], capacity=1000, saturation=saturations[1]),
+    ]
+    assert lb().pick(cands, REQ, random.Random(0)).pod.name == expected  # type: ignore[attr-defined]
+
+
+def test_reference_load_balance_ignores_batch_caps() -> None:
+    reference = build_strategies(StrategyParams(avoid_full_batches=False))["load-balance"]
+    cands = [
+        cand("a100", running=32, capacity=4000, saturation=32),
+        cand("l20", running=40, capacity=1000),
+    ]
+    assert reference.pick(cands, REQ, random.Random(0)).pod.name == "a100"

@@ -1,0 +1,76 @@
+"""`hetero-gateway simulate` on a tiny configuration writes well-formed JSON, Markdown and PNGs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from plugin.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_writes_json_markdown_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    code = main(
+        [
+            "simulate",
+            "--fleet", "a100,l20,v100",
+            "--workload", "chat",
+            "--slo-ttft", "1.0",
+            "--slo-tpot", "0.06",
+            "--strategies", "least-request,load-balance",
+            "--seed", "1",
+            "--loads", "0.5,0.85",
+            "--requests", "200",
+            "--warmup", "20",
+            "--no-progress",
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["g_star"] > 0
+    replicas = {"a100-0", "l20-0", "v100-0"}
+    assert set(doc["slo_capacity"]) == replicas
+    assert set(doc["strategies"]) == {"least-request", "load-balance"}
+    for s in doc["strategies"].values():
+        assert s["max_rate"] > 0
+        assert math.isclose(s["max_rate_over_g_star"], s["max_rate"] / doc["g_star"])
+        assert set(s["tpot_p50_ratio"]) == {"0.5", "0.85"}
+        assert all(v >= 1 for v in s["tpot_p50_ratio"].values())
+        for load in ("0.5", "0.85"):
+            assert set(s["utilization"][load]) == replicas
+            assert all(0 <= u <= 1.2 for u in s["utilization"][load].values())
+            assert 0 <= s["attainment"][load] <= 1
+    md = out.with_suffix(".md").read_text()
+    assert "| least-request | 0.85 |" in md and "| load-balance |" in md
+    for suffix in ("-attainment.png", "-utilization.png"):
+        assert (tmp_path / f"sim{suffix}").read_bytes()[:8] == PNG
+    assert "G* =" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fleet", "a100,tpu"], "unknown GPU type"),
+        (["--set", "a100.max_num_seqs=lots"], "not a number"),
+        (["--set", "colour=red"], "FIELD"),
+        (["--workload", "sharegpt"], "unknown workload"),
+        (["--strategies", "magic"], "unknown strategy"),
+        (["--loads", "0.5,-1"], "positive"),
+        (["--arrivals", "trace"], "exactly one trace"),
+    ],
+    ids=["fleet", "set-value", "set-field", "workload", "strategy", "loads", "trace-arrivals"],
+)
+def test_bad_arguments_stop_with_a_configuration_error(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["simulate", "--no-progress", "--requests", "50", "--warmup", "5", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
