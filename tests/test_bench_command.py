@@ -7,6 +7,7 @@ timings; then one data-plane run of `bench --quick`.
 
 from __future__ import annotations
 
+import argparse
 import math
 import subprocess
 import sys
@@ -18,8 +19,11 @@ import pytest
 
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, render_bootstrap
+from plugin.bench import cli as bench_cli
 from plugin.bench.client import Batch, Timing
+from plugin.bench.options import BenchOptions
 from plugin.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
+from plugin.errors import ConfigError
 
 # Spelled out (not imported) so a renamed variant or key fails here.
 VARIANTS = ["direct", "headers", "buffered", "observe", "streamed"]
@@ -208,6 +212,42 @@ def test_routing_token_shares_and_distance() -> None:
     assert block["share_distance"] == pytest.approx(0.25)
     assert block["tpot_p50_spread"] == pytest.approx(3.0)
     assert "errors" not in block["replicas"]["fast"]  # exactly the demo's replica keys + share
+
+
+# --- command line --------------------------------------------------------------------------------
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hetero-gateway")
+    bench_cli.register_cli(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_quick_values_yield_to_explicit_flags() -> None:
+    opts = bench_cli.options_from_args(_args(["--quick", "--requests", "7", "--parts", "routing"]))
+    assert opts.requests == 7 and opts.parts == ("routing",)
+    assert opts.rounds == bench_cli.QUICK["rounds"]
+    assert bench_cli.options_from_args(_args([])) == BenchOptions()
+
+
+def test_recorded_command_names_the_flags_but_no_absolute_path(tmp_path: Path) -> None:
+    args = _args(["--stream-concurrency", "1,4", "--seed", "3", "--out-dir", str(tmp_path)])
+    assert bench_cli.command_line(args) == (
+        "hetero-gateway bench --stream-concurrency 1,4 --seed 3"
+    )
+    assert bench_cli.command_line(_args(["--out-dir", "out"])) == (
+        "hetero-gateway bench --out-dir out"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--parts", "overhead,nope"], ["--requests", "0"], ["--routing-load", "3"]],
+    ids=["unknown-part", "no-requests", "load-over-2"],
+)
+def test_bad_options_fail_before_anything_starts(argv: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        bench_cli.options_from_args(_args(argv)).check()
 
 
 # --- the command, end to end ---------------------------------------------------------------------

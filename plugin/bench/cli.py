@@ -8,6 +8,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from plugin.bench.options import PARTS, BenchOptions
+
 # `--quick`: a tiny configuration that checks the command end to end in well under a minute.
 QUICK: dict[str, Any] = {
     "requests": 10,
@@ -52,6 +54,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
+    d = BenchOptions()
     p = sub.add_parser(
         "bench",
         help="end-to-end benchmark through a real Envoy: overhead, streaming, routing quality",
@@ -63,54 +66,68 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument(
         "--parts",
         type=_names,
-        help="comma-separated parts to run: overhead, streaming, routing (default: all)",
+        help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
     )
     p.add_argument(
         "--requests",
         type=int,
         metavar="N",
         help="requests per variant for latency (concurrency 1) and for each streaming "
-        "concurrency (default 200)",
+        f"concurrency (default {d.requests})",
     )
     p.add_argument(
         "--seconds",
         type=float,
         metavar="S",
-        help="throughput window per variant, split over the rounds (default 6)",
+        help=f"throughput window per variant, split over the rounds (default {d.seconds:g})",
     )
-    p.add_argument("--rounds", type=int, help="interleaved rounds over the variants (default 2)")
     p.add_argument(
-        "--concurrency", type=int, help="closed-loop workers of the throughput runs (default 32)"
+        "--rounds",
+        type=int,
+        metavar="R",
+        help=f"interleaved rounds over the variants (default {d.rounds})",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="C",
+        help=f"closed-loop workers of the throughput runs (default {d.concurrency})",
     )
     p.add_argument(
         "--stream-concurrency",
         type=_ints,
         metavar="C[,C...]",
-        help="concurrencies of the streaming part (default 1,16)",
+        help="concurrencies of the streaming part "
+        f"(default {','.join(map(str, d.stream_concurrency))})",
     )
     p.add_argument(
         "--routing-seconds",
         type=float,
         metavar="S",
-        help="measured seconds per strategy in the routing part (default 45)",
+        help=f"measured seconds per strategy in the routing part (default {d.routing_seconds:g})",
     )
     p.add_argument(
         "--routing-warmup",
         type=float,
         metavar="S",
-        help="warm-up seconds per strategy, left out of the figures (default 45)",
+        help="warm-up seconds per strategy, left out of the figures "
+        f"(default {d.routing_warmup:g})",
     )
     p.add_argument(
         "--routing-load",
         type=float,
-        help="offered output tokens/s as a fraction of the fleet's saturated rate (default 0.8)",
+        metavar="FRACTION",
+        help="offered output tokens/s as a fraction of the fleet's saturated rate "
+        f"(default {d.routing_load:g})",
     )
     p.add_argument(
         "--routing-time-scale",
         type=float,
-        help="slow every routing engine by this factor (default 4, as `up`)",
+        metavar="FACTOR",
+        help=f"slow every routing engine by this factor (default {d.routing_time_scale:g}, "
+        "as `up`)",
     )
-    p.add_argument("--seed", type=int, help="seed of the routing load (default 1)")
+    p.add_argument("--seed", type=int, help=f"seed of the routing load (default {d.seed})")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -127,10 +144,8 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
     p.set_defaults(func=run)
 
 
-def options_from_args(args: argparse.Namespace) -> Any:
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """BenchOptions: explicit flags, else the --quick values, else the defaults."""
-    from plugin.bench.e2e import BenchOptions
-
     given = {dest: getattr(args, dest) for dest in _FLAGS if getattr(args, dest) is not None}
     values = {**(QUICK if args.quick else {}), **given}
     return BenchOptions(**values, progress=not args.no_progress)

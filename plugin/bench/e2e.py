@@ -7,7 +7,6 @@ machine falls on every variant alike. Routing reuses the `up` demo on the three-
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -20,14 +19,13 @@ from tqdm import tqdm
 
 from plugin.adapters.envoy_config import BenchLayout
 from plugin.bench.client import Timing, chat_body, run_batch
+from plugin.bench.options import PARTS, BenchOptions
 from plugin.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
 from plugin.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
 from plugin.demo.up import UpOptions, fleet_spec, run_demo
-from plugin.errors import ConfigError
 
-__all__ = ["PARTS", "VARIANTS", "BenchOptions", "StackShape", "run_bench"]
+__all__ = ["VARIANTS", "StackShape", "run_bench"]
 
-PARTS = ("overhead", "streaming", "routing")
 MODEL = "llama-3-8b"
 
 # What each variant's Envoy does; the order is the order of every table.
@@ -71,50 +69,20 @@ OVERHEAD_SHAPE = StackShape(preset="a100", time_scale=0.1, max_tokens=8)
 STREAMING_SHAPE = StackShape(preset="a100", time_scale=0.25, max_tokens=32)
 
 
-@dataclass(frozen=True, slots=True)
-class BenchOptions:
-    parts: tuple[str, ...] = PARTS
-    requests: int = 200  # per variant: latency at concurrency 1, and each streaming concurrency
-    seconds: float = 6.0  # per variant: the throughput window, split over the rounds
-    rounds: int = 2
-    concurrency: int = 32  # throughput runs
-    stream_concurrency: tuple[int, ...] = (1, 16)
-    routing_seconds: float = 45.0  # measured per strategy
-    routing_warmup: float = 45.0  # per strategy, left out of the figures
-    routing_load: float = 0.8
-    routing_time_scale: float = 4.0
-    seed: int = 1
-    progress: bool = True
-
-    def check(self) -> None:
-        unknown = [p for p in self.parts if p not in PARTS]
-        if unknown or not self.parts:
-            raise ConfigError(f"--parts: unknown {unknown} (known: {', '.join(PARTS)})")
-        if self.requests < 1 or self.rounds < 1 or self.concurrency < 1:
-            raise ConfigError("--requests, --rounds and --concurrency must be >= 1")
-        if not self.stream_concurrency or min(self.stream_concurrency) < 1:
-            raise ConfigError("--stream-concurrency needs positive integers")
-        for flag, value in (
-            ("--seconds", self.seconds),
-            ("--routing-seconds", self.routing_seconds),
-        ):
-            if not (math.isfinite(value) and 0 < value <= 3600):
-                raise ConfigError(f"{flag} must be in (0, 3600]")
-        if not (math.isfinite(self.routing_warmup) and 0 <= self.routing_warmup <= 3600):
-            raise ConfigError("--routing-warmup must be in [0, 3600]")
-        self.routing_options().check()
-
-    def routing_options(self) -> UpOptions:
-        return UpOptions(
-            demo_s=self.routing_seconds,
-            port=free_port(),
-            model=MODEL,
-            load=self.routing_load,
-            time_scale=self.routing_time_scale,
-            strategies=ROUTING_STRATEGIES,
-            warmup=self.routing_warmup,
-            seed=self.seed,
-        )
+def routing_options(opts: BenchOptions) -> UpOptions:
+    """The `up` demo's options for the routing part."""
+    up_opts = UpOptions(
+        demo_s=opts.routing_seconds,
+        port=free_port(),
+        model=MODEL,
+        load=opts.routing_load,
+        time_scale=opts.routing_time_scale,
+        strategies=ROUTING_STRATEGIES,
+        warmup=opts.routing_warmup,
+        seed=opts.seed,
+    )
+    up_opts.check()
+    return up_opts
 
 
 def _say(msg: str) -> None:
@@ -323,7 +291,7 @@ async def measure_streaming(opts: BenchOptions) -> dict[str, Any]:
 async def measure_routing(opts: BenchOptions) -> dict[str, Any]:
     """(c): the `up` demo's comparison (least-request, then load-balance) on the mixed fleet."""
     started = time.monotonic()
-    up_opts = opts.routing_options()
+    up_opts = routing_options(opts)
     bars: dict[str, tqdm[Any]] = {}
 
     def progress(strategy: str, done: int, total: int) -> None:
