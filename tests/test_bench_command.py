@@ -281,6 +281,7 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     text = (out / "bench.json").read_text(encoding="utf-8")
     assert str(tmp_path) not in text  # no path of this machine in the outputs
     doc = orjson.loads(text)
+    assert "failed" not in doc
     assert doc["command"] == "hetero-gateway bench --quick"
     assert {"cpus", "loadavg_start", "loadavg_end", "envoy"} <= set(doc["machine"])
     assert list(doc["variants"]) == VARIANTS

@@ -206,4 +206,6 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(doc, command))
     for path in paths:
         print(f"wrote {path}", file=sys.stderr)
-    return 0
+    for part, error in doc.get("failed", {}).items():
+        print(f"hetero-gateway bench: the {part} part failed: {error}", file=sys.stderr)
+    return 1 if doc.get("failed") else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -342,14 +343,26 @@ _MEASURES: dict[str, Callable[[BenchOptions], Awaitable[dict[str, Any]]]] = {
 
 
 async def run_bench(opts: BenchOptions) -> dict[str, Any]:
-    """Every selected part in order; the document `render` writes out."""
+    """Every selected part in order; the document `render` writes out.
+
+    A part that fails is recorded under `failed` (with the traceback on stderr) and the next
+    one still runs: minutes of figures are not thrown away for one broken stack.
+    """
     opts.check()
     doc: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
         "variants": dict(VARIANTS),
     }
+    failed: dict[str, str] = {}
     for part in PARTS:
-        if part in opts.parts:
+        if part not in opts.parts:
+            continue
+        try:
             doc[part] = await _MEASURES[part](opts)
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            failed[part] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if failed:
+        doc["failed"] = failed
     doc["machine"]["loadavg_end"] = list(os.getloadavg())
     return doc

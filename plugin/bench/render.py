@@ -259,6 +259,8 @@ def markdown(doc: Mapping[str, Any], command: str) -> str:
         "and percentiles nearest-rank.",
         "",
     ]
+    for part, error in doc.get("failed", {}).items():
+        lines += [f"**The {part} part failed** and has no figures here: `{error}`", ""]
     if "overhead" in doc or "streaming" in doc:
         lines += ["## Variants", ""]
         lines += _table(["variant", "what Envoy and the plugin do"], list(variants.items()))
