@@ -163,6 +163,10 @@ def test_durations(seconds: float, text: str) -> None:
         {"max_request_bytes": 0},
         {"upstream_connect_timeout_s": 0.0},
         {"extproc_host": ""},
+        {"steering": "maglev"},
+        {"steering": "override-host"},
+        {"steering": "override-host", "endpoints": ("engine-0:8000",)},
+        {"endpoints": ("10.0.0.1",)},
     ],
     ids=[
         "listen-host-not-ip",
@@ -171,6 +175,10 @@ def test_durations(seconds: float, text: str) -> None:
         "zero-bytes",
         "connect-0",
         "host",
+        "steering",
+        "override-host-without-endpoints",
+        "endpoint-not-ip",
+        "endpoint-without-port",
     ],
 )
 def test_bad_options_are_rejected_early(kwargs: dict[str, Any]) -> None:
@@ -208,8 +216,13 @@ def test_checked_in_bootstrap_matches_default_rendering() -> None:
             max_request_bytes=64 * 1024 * 1024,
             upstream_connect_timeout_s=0.5,
         ),
+        EnvoyOptions(
+            fail_open=True,
+            steering="override-host",
+            endpoints=("10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000"),
+        ),
     ],
-    ids=["defaults", "fail-open-other-ports-dns-64MiB"],
+    ids=["defaults", "fail-open-other-ports-dns-64MiB", "override-host"],
 )
 def test_envoy_accepts_rendering(opts: EnvoyOptions, tmp_path: Path, envoy: str) -> None:
     path = tmp_path / "envoy.yaml"
@@ -273,3 +286,39 @@ def test_bad_flag_value_exits_with_message() -> None:
     with pytest.raises(SystemExit) as info:
         _run_cli(["envoy-config", "--listen-host", "localhost"])
     assert "listen_host" in str(info.value.code)
+
+
+def test_override_host_picks_members_by_metadata_and_falls_back_to_round_robin() -> None:
+    opts = EnvoyOptions(steering="override-host", endpoints=("10.0.0.1:8000", "10.0.0.2:8001"))
+    boot = render_bootstrap(opts)
+    names = [c["name"] for c in boot["static_resources"]["clusters"]]
+    assert ec.ORIGINAL_DST_CLUSTER not in names
+    cluster = _cluster(boot, ec.OVERRIDE_HOST_CLUSTER)
+    assert cluster["type"] == "STATIC"
+    members = [
+        e["endpoint"]["address"]["socket_address"]
+        for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert members == [
+        {"address": "10.0.0.1", "port_value": 8000},
+        {"address": "10.0.0.2", "port_value": 8001},
+    ]
+    (policy,) = cluster["load_balancing_policy"]["policies"]
+    config = policy["typed_extension_config"]["typed_config"]
+    # Only the plugin can set envoy.lb metadata: a client header cannot steer.
+    assert config["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+    (fallback,) = config["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
+    route = _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["cluster"] == ec.OVERRIDE_HOST_CLUSTER
+
+
+def test_cli_override_host_flags_round_trip(tmp_path: Path, envoy: str) -> None:
+    out = tmp_path / "boot.yaml"
+    argv = ["envoy-config", "--out", str(out), "--steering", "override-host", "--fail-open"]
+    argv += ["--endpoints", "10.0.0.1:8000,10.0.0.2:8000", "--max-request-bytes", "4194304"]
+    assert _run_cli([*argv, "--validate"]) == 0
+    first = out.read_text(encoding="utf-8").splitlines()[0]
+    assert "--steering override-host --endpoints 10.0.0.1:8000,10.0.0.2:8000" in first

@@ -30,7 +30,14 @@ MAX_MESSAGE_ENV = "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"
 
 EXT_PROC_CLUSTER = "hetero_gateway_ext_proc"
 ORIGINAL_DST_CLUSTER = "hetero_gateway_original_dst"
+OVERRIDE_HOST_CLUSTER = "hetero_gateway_override_host"
+# How the pick reaches Envoy: "original-dst" connects to whatever IP:PORT `target-pod` names
+# (AIBrix's wiring); "override-host" picks among a known endpoint list by the `envoy.lb`
+# metadata the plugin sets (the Gateway API Inference Extension's protocol) and falls back to
+# round robin when there is no pick, which is what lets fail-open really serve.
+STEERING_MODES = ("original-dst", "override-host")
 TARGET_POD_HEADER = "target-pod"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA_NAMESPACE = "envoy.lb"
 COUNT_MODES = ("observe", "streamed")
 COUNT_FILTER = "hetero_gateway.count"
@@ -65,6 +72,14 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not _is_ip(host) or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"endpoint must be IP:PORT, got {endpoint!r}")
+    return host, int(port)
+
+
 def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -94,10 +109,19 @@ class EnvoyOptions:
     # path; "streamed": the routing filter itself gets the chunks (response body STREAMED) and
     # Envoy waits for a reply to each (DESIGN.md: about +0.9 ms per chunk against +0.2 ms).
     count_mode: str = "observe"
+    steering: str = "original-dst"
+    # IP:PORT of every engine, for the override-host cluster (it can only pick its members).
+    endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.count_mode not in COUNT_MODES:
             raise ValueError(f"count_mode must be one of {COUNT_MODES}, got {self.count_mode!r}")
+        if self.steering not in STEERING_MODES:
+            raise ValueError(f"steering must be one of {STEERING_MODES}, got {self.steering!r}")
+        if self.steering == "override-host" and not self.endpoints:
+            raise ValueError("override-host steering needs the engines' endpoints (IP:PORT)")
+        for endpoint in self.endpoints:
+            _split_endpoint(endpoint)
         for name in ("listen_host", "admin_host"):
             host = getattr(self, name)
             if not _is_ip(host):
@@ -254,7 +278,12 @@ def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any
 
 
 def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
-    cluster = ORIGINAL_DST_CLUSTER if layout.upstream is None else BENCH_UPSTREAM_CLUSTER
+    if layout.upstream is not None:
+        cluster = BENCH_UPSTREAM_CLUSTER
+    elif opts.steering == "override-host":
+        cluster = OVERRIDE_HOST_CLUSTER
+    else:
+        cluster = ORIGINAL_DST_CLUSTER
     hcm = {
         "@type": _type_url(
             "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -325,6 +354,41 @@ def _original_dst_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     }
 
 
+def _override_host_cluster(opts: EnvoyOptions) -> dict[str, Any]:
+    def policy(name: str, message: str, **config: Any) -> dict[str, Any]:
+        typed = {"@type": _type_url(message), **config}
+        return {"policies": [{"typed_extension_config": {"name": name, "typed_config": typed}}]}
+
+    lb_endpoints = [
+        {"endpoint": {"address": _socket_address(*_split_endpoint(e))}} for e in opts.endpoints
+    ]
+    return {
+        "name": OVERRIDE_HOST_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": _duration(opts.upstream_connect_timeout_s),
+        "per_connection_buffer_limit_bytes": opts.max_request_bytes,
+        "circuit_breakers": _circuit_breakers(),
+        "load_assignment": {
+            "cluster_name": OVERRIDE_HOST_CLUSTER,
+            "endpoints": [{"lb_endpoints": lb_endpoints}],
+        },
+        # The pick comes as `envoy.lb` metadata (x-gateway-destination-endpoint), which only the
+        # plugin can set; a client header cannot steer. No pick (the plugin down, fail-open):
+        # round robin over the members.
+        "load_balancing_policy": policy(
+            "envoy.load_balancing_policies.override_host",
+            "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            override_host_sources=[
+                {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}
+            ],
+            fallback_policy=policy(
+                "envoy.load_balancing_policies.round_robin",
+                "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin",
+            ),
+        ),
+    }
+
+
 def _static_upstream_cluster(opts: EnvoyOptions, host: str, port: int) -> dict[str, Any]:
     return {
         "name": BENCH_UPSTREAM_CLUSTER,
@@ -390,7 +454,9 @@ def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
 def render_bootstrap(opts: EnvoyOptions, layout: BenchLayout | None = None) -> dict[str, Any]:
     """The whole bootstrap as a plain dict, keys in a fixed order."""
     layout = layout or BenchLayout()
-    if layout.upstream is None:
+    if layout.upstream is None and opts.steering == "override-host":
+        clusters = [_override_host_cluster(opts)]
+    elif layout.upstream is None:
         clusters = [_original_dst_cluster(opts)]
     else:
         clusters = [_static_upstream_cluster(opts, *layout.upstream)]
@@ -444,6 +510,8 @@ _FLAGS: dict[str, str] = {
     "fail_open": "--fail-open",
     "upstream_connect_timeout_s": "--upstream-connect-timeout",
     "count_mode": "--count-mode",
+    "steering": "--steering",
+    "endpoints": "--endpoints",
 }
 
 
@@ -482,6 +550,20 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
         default=d.count_mode,
         help="observe: a second, observability-mode filter counts tokens and Envoy never waits on "
         "the response path (default); streamed: the routing filter sees every response chunk",
+    )
+    p.add_argument(
+        "--steering",
+        choices=STEERING_MODES,
+        default=d.steering,
+        help="original-dst: connect to the IP:PORT the plugin names (default); override-host: pick "
+        "among --endpoints by the plugin's envoy.lb metadata, round robin when there is no pick "
+        "(with --fail-open, requests keep flowing while the plugin is down)",
+    )
+    p.add_argument(
+        "--endpoints",
+        default="",
+        metavar="IP:PORT,...",
+        help="every engine's endpoint, for --steering override-host",
     )
     p.add_argument(
         "--fail-open",
@@ -529,6 +611,8 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
             fail_open=args.fail_open,
             count_mode=args.count_mode,
             upstream_connect_timeout_s=args.upstream_connect_timeout,
+            steering=args.steering,
+            endpoints=tuple(e.strip() for e in args.endpoints.split(",") if e.strip()),
         )
     except ValueError as exc:
         raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
@@ -543,6 +627,8 @@ def generated_header(opts: EnvoyOptions, out: str | None = None) -> str:
         if value == getattr(default, f.name):
             continue
         flag = _FLAGS[f.name]
+        if isinstance(value, tuple):
+            value = ",".join(value)
         parts.append(flag if isinstance(value, bool) else f"{flag} {value}")
     if out is not None:
         parts.append(f"--out {out}")

@@ -40,6 +40,7 @@ class FleetSpec:
     namespace: str = "default"
     fail_open: bool = False
     count_mode: str = "observe"
+    steering: str = "original-dst"  # or "override-host" (EnvoyOptions.steering)
     plugin_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -194,7 +195,17 @@ class LocalFleet:
             await self._wait_http(e.name, e.proc, f"{e.url}/health")
 
         self.pods_file.write_text(yaml.safe_dump(self.pods_document(), sort_keys=False))
+        await self.start_plugin()
+
+        self.envoy = await self._spawn_envoy(
+            "envoy", self.envoy_options(self.spec.listen_port, self.admin_port)
+        )
+        await self._wait_http("envoy", self.envoy, f"http://127.0.0.1:{self.admin_port}/ready")
+
+    async def start_plugin(self) -> None:
+        """Start (or, after `stop_process(fleet.plugin)`, restart) the plugin; wait until ready."""
         env = {**os.environ, **self.spec.plugin_env}
+        py = [sys.executable, "-m", "plugin"]
         self.plugin = await self._spawn(
             "plugin",
             [
@@ -213,11 +224,6 @@ class LocalFleet:
         )
         await self._wait_http("plugin", self.plugin, f"{self.plugin_url}/readyz")
 
-        self.envoy = await self._spawn_envoy(
-            "envoy", self.envoy_options(self.spec.listen_port, self.admin_port)
-        )
-        await self._wait_http("envoy", self.envoy, f"http://127.0.0.1:{self.admin_port}/ready")
-
     def envoy_options(self, listen_port: int, admin_port: int) -> EnvoyOptions:
         """The fleet's Envoy options (plugin address, fail mode, count mode) on other ports."""
         return EnvoyOptions(
@@ -227,6 +233,8 @@ class LocalFleet:
             extproc_port=self.grpc_port,
             fail_open=self.spec.fail_open,
             count_mode=self.spec.count_mode,
+            steering=self.spec.steering,
+            endpoints=tuple(f"127.0.0.1:{e.port}" for e in self.engines),
         )
 
     async def _spawn_envoy(

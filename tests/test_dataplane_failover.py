@@ -1,0 +1,140 @@
+"""Data plane, failure of the plugin itself: the override_host wiring with fail-open keeps serving.
+
+With ORIGINAL_DST, a request the plugin did not route has nowhere to go (fail-closed answers 503:
+tests/test_dataplane.py). With a STATIC cluster under the override_host policy and the ext_proc
+filter failing open, Envoy falls back to round robin over the engines while the plugin is down,
+and the plugin's picks take over again once it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from plugin.demo.fleet import FleetSpec, LocalFleet, free_port
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "llama-3-8b"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet() -> AsyncIterator[LocalFleet]:
+    spec = FleetSpec(
+        model=MODEL,
+        time_scale=1.0,
+        tokens_per_chunk=4,
+        listen_port=free_port(),
+        fail_open=True,
+        steering="override-host",
+    )
+    async with LocalFleet(spec) as f:
+        yield f
+
+
+@dataclass
+class Outcome:
+    status: int
+    complete: bool  # the SSE stream ended with [DONE]
+    engine: str
+    routed_by_plugin: bool  # the plugin's response headers are present
+    started: float
+
+
+@dataclass
+class Load:
+    outcomes: list[Outcome] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, load: Load) -> None:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 24,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.monotonic()
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            text = (await resp.read()).decode()
+            load.outcomes.append(
+                Outcome(
+                    resp.status,
+                    text.rstrip().endswith("data: [DONE]"),
+                    resp.headers.get("x-mock-engine", ""),
+                    "target-pod" in resp.headers,
+                    started,
+                )
+            )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        load.errors.append(repr(exc))
+
+
+async def offer(url: str, rate: float, seconds: float, load: Load) -> None:
+    """Open-loop: one request every 1/rate s, whatever happens to the earlier ones."""
+    tasks: list[asyncio.Task[None]] = []
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.monotonic()
+        n = 0
+        while (now := time.monotonic()) - start < seconds:
+            tasks.append(asyncio.create_task(one_request(session, url, load)))
+            n += 1
+            await asyncio.sleep(max(0.0, start + n / rate - now))
+        await asyncio.gather(*tasks)
+
+
+async def test_fail_open_serves_every_request_while_the_plugin_is_down(fleet: LocalFleet) -> None:
+    load = Load()
+    traffic = asyncio.create_task(offer(fleet.envoy_url, rate=20.0, seconds=9.0, load=load))
+    await asyncio.sleep(3.0)
+    stopped_at = time.monotonic()
+    await fleet.stop_process(fleet.plugin)
+    await asyncio.sleep(3.0)
+    restarted_at = time.monotonic()
+    await fleet.start_plugin()
+    ready_at = time.monotonic()
+    await traffic
+
+    assert not load.errors, load.errors[:3]
+    assert len(load.outcomes) >= 150
+    bad = [o for o in load.outcomes if o.status != 200 or not o.complete]
+    assert not bad, f"{len(bad)} requests failed or were cut: {bad[:3]}"
+
+    before = [o for o in load.outcomes if o.started < stopped_at - 0.5]
+    down = [o for o in load.outcomes if stopped_at + 0.5 < o.started < restarted_at]
+    after = [o for o in load.outcomes if o.started > ready_at + 0.5]
+    assert before and down and after
+    # Before and after: the plugin picked every replica. While it is down: nobody picks, and
+    # Envoy's round robin spreads the requests over all the engines.
+    assert all(o.routed_by_plugin for o in before + after)
+    assert not any(o.routed_by_plugin for o in down)
+    spread = Counter(o.engine for o in down)
+    assert set(spread) == {e.name for e in fleet.engines}, spread
+    assert max(spread.values()) - min(spread.values()) <= 2, spread
+
+
+async def test_steering_uses_the_plugins_pick(fleet: LocalFleet) -> None:
+    """With the plugin up, the engine that served is the one the plugin named."""
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(12):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            async with session.post(f"{fleet.envoy_url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                picked = resp.headers["target-pod"]
+                assert resp.headers["x-mock-engine"] == picked
