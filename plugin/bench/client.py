@@ -3,20 +3,20 @@
 Closed loop (unlike the demo's open loop) because these parts ask "how fast can the path go" and
 "what does one request or chunk pay", not "what happens at a given offered load". Every SSE event's
 arrival is timed from the moment the request left, so per-chunk delays can be compared between
-bootstraps. Bounded twice: a batch stops at `max_requests` or at `max_seconds`, whichever first.
+bootstraps. Bounded twice: a run stops at its request count or at `max_seconds`, whichever first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 
-__all__ = ["Batch", "Timing", "chat_body", "run_batch"]
+__all__ = ["Batch", "Timing", "chat_body", "run_batch", "run_interleaved"]
 
 _VOCAB = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog")
 _ERROR_BYTES = 512
@@ -135,3 +135,46 @@ async def run_batch(
 
         await asyncio.gather(*(worker() for _ in range(min(concurrency, max_requests))))
     return Batch(timings, max(last_done - start, 1e-9))
+
+
+async def run_interleaved(
+    urls: Mapping[str, str],
+    body: bytes,
+    *,
+    requests_per_url: int,
+    max_seconds: float,
+    record_chunks: bool = False,
+    timeout_s: float = 60.0,
+    on_step: Callable[[int], None] | None = None,
+) -> dict[str, list[Timing]]:
+    """One request at a time, to each url in turn, `requests_per_url` times round.
+
+    For concurrency-1 comparisons: consecutive requests go to different variants, so drift on a
+    shared machine (another job starting, CPU frequency) lands on every variant alike instead of
+    on whichever batch ran then. Each step starts at a different url, so none always follows the
+    same neighbour. Every url keeps its own keep-alive connection. Stops after `max_seconds`;
+    `on_step(steps_done)` is called after each round and must not raise.
+    """
+    if requests_per_url < 1 or not max_seconds > 0 or not urls:
+        raise ValueError("requests_per_url, max_seconds and urls must be positive / non-empty")
+    names = list(urls)
+    timings: dict[str, list[Timing]] = {name: [] for name in names}
+    sessions = {
+        name: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) for name in names
+    }
+    try:
+        deadline = time.perf_counter() + max_seconds
+        for step in range(requests_per_url):
+            if time.perf_counter() >= deadline:
+                break
+            k = step % len(names)
+            for name in [*names[k:], *names[:k]]:
+                timings[name].append(
+                    await _one(sessions[name], urls[name], body, record_chunks, timeout_s)
+                )
+            if on_step is not None:
+                on_step(step + 1)
+    finally:
+        for session in sessions.values():
+            await session.close()
+    return timings

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from plugin.adapters.envoy_config import BenchLayout
-from plugin.bench.client import Timing, chat_body, run_batch
+from plugin.bench.client import Timing, chat_body, run_batch, run_interleaved
 from plugin.bench.options import PARTS, BenchOptions
 from plugin.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
 from plugin.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
@@ -199,30 +199,38 @@ def _bar(opts: BenchOptions, total: int, desc: str) -> Iterator[tqdm[Any]]:
         bar.close()
 
 
+async def _latency_interleaved(
+    stack: VariantStack, opts: BenchOptions, bar: tqdm[Any], record_chunks: bool
+) -> dict[str, list[Timing]]:
+    """Concurrency 1, the variants taking turns request by request (`run_interleaved`)."""
+    bar.set_postfix_str("concurrency 1, variants in turn")
+
+    def step(_: int) -> None:
+        bar.update(1)
+
+    return await run_interleaved(
+        {name: stack.url(name) for name in VARIANTS},
+        stack.body,
+        requests_per_url=opts.requests,
+        max_seconds=BATCH_CAP_S * len(VARIANTS),
+        record_chunks=record_chunks,
+        on_step=step,
+    )
+
+
 async def measure_overhead(opts: BenchOptions) -> dict[str, Any]:
     """(a): latency at concurrency 1, then requests/s and CPU at `concurrency`, per variant."""
     started = time.monotonic()
     names = list(VARIANTS)
-    latency: dict[str, list[Timing]] = {n: [] for n in names}
     totals = {n: CpuTotals() for n in names}
     _say(f"overhead: starting one {OVERHEAD_SHAPE.preset} engine, the plugin, {len(names)} Envoys")
     async with VariantStack(OVERHEAD_SHAPE) as stack:
-        with _bar(opts, opts.rounds * len(names) * 2, "overhead") as bar:
+        total = opts.requests + opts.rounds * len(names)
+        with _bar(opts, total, "overhead") as bar:
+            latency = await _latency_interleaved(stack, opts, bar, record_chunks=False)
             for r in range(opts.rounds):
                 for name in _rotated(names, r):
-                    bar.set_postfix_str(f"{name}: latency")
-                    n = _split(opts.requests, opts.rounds, r)
-                    if n:
-                        batch = await run_batch(
-                            stack.url(name),
-                            stack.body,
-                            concurrency=1,
-                            max_requests=n,
-                            max_seconds=BATCH_CAP_S,
-                        )
-                        latency[name] += batch.timings
-                    bar.update(1)
-                    bar.set_postfix_str(f"{name}: throughput")
+                    bar.set_postfix_str(f"{name}: concurrency {opts.concurrency}")
                     pids = (stack.plugin_pid, stack.envoy_pids[name])
                     before = [process_cpu_seconds(p) for p in pids]
                     batch = await run_batch(
@@ -252,7 +260,11 @@ async def measure_overhead(opts: BenchOptions) -> dict[str, Any]:
 
 
 async def measure_streaming(opts: BenchOptions) -> dict[str, Any]:
-    """(b): when each SSE chunk reaches the client, per variant and concurrency, vs direct."""
+    """(b): when each SSE chunk reaches the client, per variant and concurrency, vs direct.
+
+    At concurrency 1 the variants take turns request by request; above it each variant carries
+    the whole load alone (the contention is the point), in interleaved rounds.
+    """
     started = time.monotonic()
     names = list(VARIANTS)
     by_concurrency: dict[str, Any] = {}
@@ -260,10 +272,16 @@ async def measure_streaming(opts: BenchOptions) -> dict[str, Any]:
         f"streaming: starting one {STREAMING_SHAPE.preset} engine, the plugin, {len(names)} Envoys"
     )
     async with VariantStack(STREAMING_SHAPE) as stack:
-        total = len(opts.stream_concurrency) * opts.rounds * len(names)
+        total = sum(
+            opts.requests if c == 1 else opts.rounds * len(names) for c in opts.stream_concurrency
+        )
         with _bar(opts, total, "streaming") as bar:
             for concurrency in opts.stream_concurrency:
-                timings: dict[str, list[Timing]] = {n: [] for n in names}
+                if concurrency == 1:
+                    timings = await _latency_interleaved(stack, opts, bar, record_chunks=True)
+                    by_concurrency["1"] = {"variants": streaming_summary(timings)}
+                    continue
+                timings = {n: [] for n in names}
                 for r in range(opts.rounds):
                     for name in _rotated(names, r):
                         bar.set_postfix_str(f"{name}: concurrency {concurrency}")
