@@ -16,13 +16,15 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, render_bootstrap
 from plugin.bench import cli as bench_cli
-from plugin.bench.client import Batch, Timing
+from plugin.bench.client import Batch, Timing, run_interleaved
 from plugin.bench.options import BenchOptions
 from plugin.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
+from plugin.demo.fleet import free_port
 from plugin.errors import ConfigError
 
 # Spelled out (not imported) so a renamed variant or key fails here.
@@ -212,6 +214,42 @@ def test_routing_token_shares_and_distance() -> None:
     assert block["share_distance"] == pytest.approx(0.25)
     assert block["tpot_p50_spread"] == pytest.approx(3.0)
     assert "errors" not in block["replicas"]["fast"]  # exactly the demo's replica keys + share
+
+
+# --- client --------------------------------------------------------------------------------------
+
+
+async def test_interleaved_runs_take_turns_and_time_every_event() -> None:
+    hits: list[str] = []
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        hits.append(request.match_info["name"])
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in (b"{}", b'{"usage": {}}', b"[DONE]"):
+            await resp.write(b"data: " + event + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/{name}", sse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("a", "b")}
+        timings = await run_interleaved(
+            urls, b"{}", requests_per_url=3, max_seconds=30, record_chunks=True
+        )
+    finally:
+        await runner.cleanup()
+    assert hits == ["a", "b", "b", "a", "a", "b"]  # each round starts one further along
+    for name in urls:
+        assert len(timings[name]) == 3
+        for t in timings[name]:
+            assert t.ok and t.latency_s is not None
+            assert len(t.chunks) == 2 and 0 < t.chunks[0] <= t.chunks[1] <= t.latency_s
 
 
 # --- command line --------------------------------------------------------------------------------
