@@ -61,7 +61,7 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
         description="Start mock engines, the plugin and real Envoys on loopback; measure what the "
         "plugin adds against Envoy alone (overhead, per-chunk streaming delay) and how the "
         "strategies share a mixed fleet (routing); write bench.json, bench.md and PNG plots. "
-        "The default run takes about 8 minutes on 2 cores.",
+        "The default run takes about 7 minutes on 2 cores.",
     )
     p.add_argument(
         "--parts",

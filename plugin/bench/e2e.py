@@ -187,7 +187,7 @@ def _bar(opts: BenchOptions, total: int, desc: str) -> Iterator[tqdm[Any]]:
     bar: tqdm[Any] = tqdm(
         total=total,
         desc=desc,
-        unit="batch",
+        unit="step",
         disable=not opts.progress,
         file=sys.stderr,
         dynamic_ncols=True,

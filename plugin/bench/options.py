@@ -25,7 +25,9 @@ class BenchOptions:
     concurrency: int = 32  # closed-loop workers of the throughput runs
     stream_concurrency: tuple[int, ...] = (1, 16)
     routing_seconds: float = 45.0  # measured per strategy
-    routing_warmup: float = 45.0  # per strategy, left out of the figures
+    # Per strategy, left out of the figures. One capacity window (60 s): until the previous
+    # strategy's completions have left it, load-balance scores with estimates learned under it.
+    routing_warmup: float = 60.0
     routing_load: float = 0.8  # fraction of the fleet's saturated output tokens/s
     routing_time_scale: float = 4.0  # as `up`: every engine slowed alike so 2 cores keep up
     seed: int = 1
