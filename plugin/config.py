@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -20,6 +22,9 @@ from plugin.errors import ConfigError
 T = TypeVar("T", int, float)
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+DISCOVERY_KINDS = ("file", "kubernetes")
+DEFAULT_K8S_LABEL_SELECTOR = "model.aibrix.ai/name"
+DEFAULT_GPU_LABEL = "app.kubernetes.io/name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +132,80 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "First ejection time; it doubles with each ejection in a row, up to 60 s.",
     ),
     EnvVar("HETERO_GATEWAY_LOG_LEVEL", "string", "INFO", "Python logging level."),
+    EnvVar(
+        "HETERO_GATEWAY_DISCOVERY",
+        "`file` or `kubernetes`",
+        "file",
+        "Pod source: the YAML file, or pods listed and watched in the Kubernetes API"
+        " (`serve --discovery`).",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_K8S_NAMESPACE",
+        "comma-separated list",
+        "(all)",
+        "Namespaces whose pods Kubernetes discovery watches; empty watches every namespace.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_K8S_LABEL_SELECTOR",
+        "label selector",
+        DEFAULT_K8S_LABEL_SELECTOR,
+        "Which pods Kubernetes discovery lists; empty lists every pod in scope and keeps those"
+        " naming a model by label or annotation.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_GPU_LABEL",
+        "label key",
+        DEFAULT_GPU_LABEL,
+        "Pod label whose value names the GPU type (shown as `gpu` in /debug/pods and"
+        " `hetero_gateway_pod_info`).",
+    ),
+    EnvVar(
+        "REDIS_HOST",
+        "host",
+        "(none)",
+        "Redis for state shared by several gateway replicas; unset keeps all state in the process.",
+    ),
+    EnvVar("REDIS_PORT", "int", "6379", "Redis port."),
+    EnvVar("REDIS_PASSWORD", "string", "(none)", "Redis password (AUTH)."),
+    EnvVar(
+        "POD_NAME",
+        "string",
+        "(hostname)",
+        "This gateway's name in the shared state; must differ between replicas.",
+    ),
+    EnvVar(
+        "POD_NAMESPACE",
+        "string",
+        "(none)",
+        "Namespace of this gateway; when set, its shared-state name is `POD_NAMESPACE/POD_NAME`.",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_REDIS_SYNC_MS",
+        "int > 0",
+        "100",
+        "Period of the shared-state sync: publish local in-flight counts and token counts, read"
+        " everyone's (no Redis call on the request path).",
+    ),
+    EnvVar(
+        "HETERO_GATEWAY_REDIS_TTL_MS",
+        "int >= 2 x sync",
+        "2000",
+        "Expiry of a gateway's published in-flight counts: a gateway that stops publishing drops"
+        " out of the others' view this long after its last sync.",
+    ),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """Where shared state lives and how this gateway takes part in it."""
+
+    host: str
+    port: int = 6379
+    password: str | None = field(default=None, repr=False)
+    gateway_id: str = "gateway"
+    sync_interval_s: float = 0.1
+    ttl_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +223,11 @@ class Settings:
     capacity_tau_s: float = 10.0
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     log_level: str = "INFO"
+    discovery: str = "file"
+    k8s_namespaces: tuple[str, ...] = ()  # empty: every namespace
+    k8s_label_selector: str = DEFAULT_K8S_LABEL_SELECTOR
+    gpu_label: str = DEFAULT_GPU_LABEL
+    redis: RedisSettings | None = None  # None: state stays in this process
 
     @property
     def metrics_max_age_s(self) -> float:
@@ -185,6 +268,70 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def _port(env: Mapping[str, str], name: str, default: int) -> int:
     return _parse(env, name, int, default, lambda v: 0 <= v <= 65535, "a port (0-65535)")
+
+
+# A DNS-1123 label, as Kubernetes namespaces are.
+_NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+# A label key: optional DNS prefix and "/", then a name of at most 63 characters.
+_LABEL_KEY_RE = re.compile(
+    r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    value = env.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _namespaces(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    raw = env.get(name, "")
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    for n in names:
+        if not _NAMESPACE_RE.fullmatch(n):
+            raise ConfigError(f"{name}={raw!r}: {n!r} is not a Kubernetes namespace name")
+    return tuple(dict.fromkeys(names))
+
+
+def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
+    port = _parse(env, "REDIS_PORT", int, 6379, lambda v: 0 < v < 65536, "a port (1-65535)")
+    sync_ms = _parse(
+        env,
+        "HETERO_GATEWAY_REDIS_SYNC_MS",
+        int,
+        100,
+        lambda v: v > 0,
+        "a positive integer (milliseconds)",
+    )
+    ttl_ms = _parse(
+        env,
+        "HETERO_GATEWAY_REDIS_TTL_MS",
+        int,
+        2000,
+        lambda v: v > 0,
+        "a positive integer (milliseconds)",
+    )
+    if ttl_ms < 2 * sync_ms:
+        raise ConfigError(
+            f"HETERO_GATEWAY_REDIS_TTL_MS={ttl_ms} must be at least twice"
+            f" HETERO_GATEWAY_REDIS_SYNC_MS={sync_ms}, or live gateways' entries expire"
+        )
+    host = env.get("REDIS_HOST", "").strip()
+    if not host:
+        return None
+    if any(c.isspace() or c == "/" for c in host):
+        raise ConfigError(f"REDIS_HOST={host!r} is not a host name or address")
+    name = env.get("POD_NAME", "").strip() or socket.gethostname() or "gateway"
+    namespace = env.get("POD_NAMESPACE", "").strip()
+    return RedisSettings(
+        host=host,
+        port=port,
+        password=env.get("REDIS_PASSWORD") or None,
+        gateway_id=f"{namespace}/{name}" if namespace else name,
+        sync_interval_s=sync_ms / 1000.0,
+        ttl_s=ttl_ms / 1000.0,
+    )
 
 
 def _ejection_policy(consecutive_5xx: int, base_s: float) -> EjectionPolicy:
@@ -301,4 +448,18 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             ),
         ),
         log_level=level,
+        discovery=_choice(env, "HETERO_GATEWAY_DISCOVERY", DISCOVERY_KINDS, "file"),
+        k8s_namespaces=_namespaces(env, "HETERO_GATEWAY_K8S_NAMESPACE"),
+        k8s_label_selector=env.get(
+            "HETERO_GATEWAY_K8S_LABEL_SELECTOR", DEFAULT_K8S_LABEL_SELECTOR
+        ).strip(),
+        gpu_label=_label_key(env, "HETERO_GATEWAY_GPU_LABEL", DEFAULT_GPU_LABEL),
+        redis=_redis_settings(env),
     )
+
+
+def _label_key(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name, "").strip() or default
+    if len(value) > 317 or not _LABEL_KEY_RE.fullmatch(value):
+        raise ConfigError(f"{name}={value!r} is not a Kubernetes label key")
+    return value

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plugin.config import ENV_VARS, load_settings
+from plugin.config import ENV_VARS, RedisSettings, load_settings
 from plugin.errors import ConfigError
 
 
@@ -93,3 +93,107 @@ def test_avoid_full_batches_switch(raw: str | None, expected: bool) -> None:
 def test_avoid_full_batches_rejects_a_non_boolean() -> None:
     with pytest.raises(ConfigError, match="HETERO_GATEWAY_LB_AVOID_FULL_BATCHES"):
         load_settings({"HETERO_GATEWAY_LB_AVOID_FULL_BATCHES": "maybe"})
+
+
+# --- discovery, GPU label and shared state ------------------------------------------------------
+
+
+def test_discovery_and_shared_state_defaults() -> None:
+    s = load_settings({})
+    assert s.discovery == "file"
+    assert s.k8s_namespaces == ()
+    assert s.k8s_label_selector == "model.aibrix.ai/name"
+    assert s.gpu_label == "app.kubernetes.io/name"
+    assert s.redis is None  # no REDIS_HOST: state stays in the process
+
+
+def test_kubernetes_discovery_settings() -> None:
+    s = load_settings(
+        {
+            "HETERO_GATEWAY_DISCOVERY": "Kubernetes",
+            "HETERO_GATEWAY_K8S_NAMESPACE": " team-a, team-b ,team-a,",
+            "HETERO_GATEWAY_K8S_LABEL_SELECTOR": "model.aibrix.ai/name,tier=gpu",
+            "HETERO_GATEWAY_GPU_LABEL": "nvidia.com/gpu.product",
+        }
+    )
+    assert s.discovery == "kubernetes"
+    assert s.k8s_namespaces == ("team-a", "team-b")
+    assert s.k8s_label_selector == "model.aibrix.ai/name,tier=gpu"
+    assert s.gpu_label == "nvidia.com/gpu.product"
+
+
+def test_redis_settings_and_gateway_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = load_settings(
+        {
+            "REDIS_HOST": "redis.infra",
+            "REDIS_PORT": "6380",
+            "REDIS_PASSWORD": "secret",
+            "POD_NAME": "gw-0",
+            "POD_NAMESPACE": "hetero-gateway",
+            "HETERO_GATEWAY_REDIS_SYNC_MS": "50",
+            "HETERO_GATEWAY_REDIS_TTL_MS": "1000",
+        }
+    )
+    assert s.redis == RedisSettings(
+        host="redis.infra",
+        port=6380,
+        password="secret",
+        gateway_id="hetero-gateway/gw-0",
+        sync_interval_s=0.05,
+        ttl_s=1.0,
+    )
+    assert "secret" not in repr(s)  # a logged Settings does not leak the password
+
+    monkeypatch.setattr("socket.gethostname", lambda: "host-7")
+    s = load_settings({"REDIS_HOST": "10.0.0.5"})
+    assert s.redis is not None
+    assert (s.redis.port, s.redis.password, s.redis.gateway_id) == (6379, None, "host-7")
+    assert (s.redis.sync_interval_s, s.redis.ttl_s) == (0.1, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"HETERO_GATEWAY_DISCOVERY": "consul"}, "HETERO_GATEWAY_DISCOVERY"),
+        ({"HETERO_GATEWAY_K8S_NAMESPACE": "Team_A"}, "HETERO_GATEWAY_K8S_NAMESPACE"),
+        ({"HETERO_GATEWAY_GPU_LABEL": "gpu type"}, "HETERO_GATEWAY_GPU_LABEL"),
+        ({"REDIS_HOST": "r", "REDIS_PORT": "0"}, "REDIS_PORT"),
+        ({"REDIS_PORT": "redis"}, "REDIS_PORT"),
+        ({"REDIS_HOST": "a b"}, "REDIS_HOST"),
+        ({"HETERO_GATEWAY_REDIS_SYNC_MS": "0"}, "HETERO_GATEWAY_REDIS_SYNC_MS"),
+        ({"HETERO_GATEWAY_REDIS_TTL_MS": "-1"}, "HETERO_GATEWAY_REDIS_TTL_MS"),
+        (
+            {"HETERO_GATEWAY_REDIS_SYNC_MS": "100", "HETERO_GATEWAY_REDIS_TTL_MS": "150"},
+            "HETERO_GATEWAY_REDIS_TTL_MS",
+        ),
+    ],
+    ids=[
+        "unknown-discovery",
+        "namespace-not-dns",
+        "label-with-space",
+        "redis-port-zero",
+        "redis-port-word",
+        "redis-host-space",
+        "sync-zero",
+        "ttl-negative",
+        "ttl-below-two-syncs",
+    ],
+)
+def test_bad_discovery_or_redis_value_names_the_variable(env: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_settings(env)
+
+
+def test_every_variable_the_module_reads_is_documented() -> None:
+    import inspect
+    import re
+
+    import plugin.config as config
+
+    source = inspect.getsource(config)
+    read = set(
+        re.findall(r'env(?:\.get)?\(\s*"([A-Z][A-Z0-9_]+)"|env,\s*"([A-Z][A-Z0-9_]+)"', source)
+    )
+    names = {a or b for a, b in read}
+    # Read <=> documented: no hidden knob, no documented variable that does nothing.
+    assert names == {v.name for v in ENV_VARS}, names ^ {v.name for v in ENV_VARS}
