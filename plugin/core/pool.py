@@ -3,11 +3,22 @@
 Pure state with time passed in. The ext_proc adapter asks it for candidates and takes a `Lease`
 per routed request; the lease gives the in-flight slot back exactly once and credits the counted
 output tokens to the replica's capacity counter.
+
+Several gateways (shared state): a sync loop outside the core feeds two things in.
+- Other gateways' in-flight counts (`set_remote_inflight`): a candidate's `running` is this
+  gateway's count plus theirs.
+- Fleet-wide completed-token counters. While they are shared, a counted token is not credited to
+  the capacity estimator directly: it waits in an unpublished counter that the sync loop adds to
+  the shared counter (`take_unpublished_tokens`), and the estimator is credited with each shared
+  counter's increase since the previous read (`apply_shared_tokens`), which holds this gateway's
+  tokens and everyone else's exactly once. When the shared store fails, `leave_shared_tokens`
+  credits what was taken but maybe not stored, and tokens go to the estimator directly again;
+  the next successful read only sets new baselines, so nothing is credited twice across a switch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,14 +86,19 @@ class PodPool:
         "_by_endpoint",
         "_by_model",
         "_capacity",
+        "_counted",
         "_ejection",
         "_health",
         "_inflight",
         "_metrics",
         "_metrics_max_age_s",
         "_pods",
+        "_remote",
         "_routed",
         "_saturation",
+        "_shared_seen",
+        "_shared_tokens",
+        "_unpublished",
         "loaded",
     )
 
@@ -103,6 +119,11 @@ class PodPool:
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
         self._saturation: dict[str, int] = {}
+        self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
+        self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
+        self._shared_tokens = False  # True: the estimator is fed from shared counters
+        self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
+        self._shared_seen: dict[str, int] = {}  # each shared counter at the previous read
         self.loaded = False  # True once discovery delivered its first list
 
     # discovery -------------------------------------------------------------------------------
@@ -120,6 +141,9 @@ class PodPool:
             self._capacity.forget(key)
             self._health.pop(key, None)
             self._routed.pop(key, None)
+            self._counted.pop(key, None)
+            self._unpublished.pop(key, None)
+            self._shared_seen.pop(key, None)
         self._pods = new
         self._by_model = by_model
         self._by_endpoint = {p.endpoint: p for p in new.values()}
@@ -159,7 +183,7 @@ class PodPool:
             kv = scraped.metrics.kv_usage
         return Candidate(
             pod,
-            self._inflight.get(key, 0),
+            self._inflight.get(key, 0) + self._remote.get(key, 0),
             waiting,
             kv,
             self._capacity.estimate(key),
@@ -179,7 +203,14 @@ class PodPool:
     def credit_tokens(self, key: str, output_tokens: int) -> None:
         """Output tokens a pod completed, counted apart from the in-flight lease."""
         if output_tokens > 0 and key in self._pods:
-            self._capacity.add_tokens(key, output_tokens)
+            self._credit(key, output_tokens)
+
+    def _credit(self, key: str, tokens: int) -> None:
+        self._counted[key] = self._counted.get(key, 0) + tokens
+        if self._shared_tokens:
+            self._unpublished[key] = self._unpublished.get(key, 0) + tokens
+        else:
+            self._capacity.add_tokens(key, tokens)
 
     def _on_release(self, key: str, output_tokens: int, status: int, now: float | None) -> None:
         left = self._inflight.get(key, 0) - 1
@@ -190,7 +221,7 @@ class PodPool:
         if key not in self._pods:
             return  # removed while in flight: its state is gone, do not resurrect it
         if output_tokens > 0:
-            self._capacity.add_tokens(key, output_tokens)
+            self._credit(key, output_tokens)
         if status and now is not None:
             self._record_outcome(key, status >= 500, now)
 
@@ -248,15 +279,66 @@ class PodPool:
     def refresh_capacity(self, now: float) -> None:
         self._capacity.refresh(now)
 
+    # shared state (several gateways) ---------------------------------------------------------
+    def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
+        """Other gateways' in-flight counts per pod key (replaces the previous view)."""
+        self._remote = {k: v for k, v in counts.items() if v > 0}
+
+    @property
+    def shared_tokens(self) -> bool:
+        """True while the capacity estimator is fed from the shared token counters."""
+        return self._shared_tokens
+
+    def take_unpublished_tokens(self) -> dict[str, int]:
+        """Tokens counted while shared and not yet handed out; the caller adds them to the shared
+        counters and must pass them to `leave_shared_tokens` if that may have failed."""
+        taken, self._unpublished = self._unpublished, {}
+        return taken
+
+    def apply_shared_tokens(self, totals: Mapping[str, int | None]) -> None:
+        """The shared counters as just read (after this gateway's taken tokens were added).
+
+        Credits each pod's increase since the previous read; the first read after local mode
+        only sets baselines. A missing counter reads as 0; one that went backwards (the store
+        restarted or the key expired) is a reset: a new baseline, nothing credited.
+        """
+        entering = not self._shared_tokens
+        for key, total in totals.items():
+            if key not in self._pods:
+                continue
+            value = 0 if total is None or total < 0 else total
+            last = self._shared_seen.get(key)
+            self._shared_seen[key] = value
+            if not entering and last is not None and value > last:
+                self._capacity.add_tokens(key, value - last)
+        self._shared_tokens = True
+
+    def leave_shared_tokens(self, taken: Mapping[str, int]) -> None:
+        """The shared store failed: credit `taken` (maybe never stored) and anything unpublished
+        to the estimator directly, forget the baselines, and count locally from now on."""
+        for source in (taken, self._unpublished):
+            for key, tokens in source.items():
+                if tokens > 0 and key in self._pods:
+                    self._capacity.add_tokens(key, tokens)
+        self._unpublished = {}
+        self._shared_seen.clear()
+        self._shared_tokens = False
+
     # observation -----------------------------------------------------------------------------
     def inflight(self, key: str) -> int:
+        """Requests this gateway has in flight on the pod."""
         return self._inflight.get(key, 0)
+
+    def remote_inflight(self, key: str) -> int:
+        """Requests other gateways have in flight on the pod, as last synced."""
+        return self._remote.get(key, 0)
 
     def routed_total(self, key: str) -> int:
         return self._routed.get(key, 0)
 
     def output_tokens_total(self, key: str) -> int:
-        return self._capacity.total(key)
+        """Output tokens this gateway counted from the pod (other gateways' not included)."""
+        return self._counted.get(key, 0)
 
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
@@ -277,6 +359,7 @@ class PodPool:
                 "ready": pod.ready,
                 "labels": dict(pod.labels),
                 "inflight": self.inflight(key),
+                "inflight_remote": self.remote_inflight(key),
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),
