@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -17,14 +18,39 @@ from prometheus_client.registry import Collector
 
 from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.scraper import MetricsScraper
+from plugin.config import DEFAULT_GPU_LABEL
 from plugin.core.pool import PodPool
 
 
+class SharedStateView(Protocol):
+    """What the HTTP side reads of the shared-state sync (`RedisState`), when there is one."""
+
+    @property
+    def up(self) -> bool: ...
+
+    @property
+    def sync_errors_total(self) -> int: ...
+
+    @property
+    def other_gateways(self) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class GatewayCollector(Collector):
-    def __init__(self, pool: PodPool, errors: ErrorCounts, scraper: MetricsScraper) -> None:
+    def __init__(
+        self,
+        pool: PodPool,
+        errors: ErrorCounts,
+        scraper: MetricsScraper,
+        shared: SharedStateView | None = None,
+        gpu_label: str = DEFAULT_GPU_LABEL,
+    ) -> None:
         self._pool = pool
         self._errors = errors
         self._scraper = scraper
+        self._shared = shared
+        self._gpu_label = gpu_label
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         labels = ["pod", "model"]
@@ -37,7 +63,19 @@ class GatewayCollector(Collector):
             labels=labels,
         )
         inflight = GaugeMetricFamily(
-            "hetero_gateway_inflight_requests", "Requests in flight per pod.", labels=labels
+            "hetero_gateway_inflight_requests",
+            "Requests this gateway has in flight per pod.",
+            labels=labels,
+        )
+        remote = GaugeMetricFamily(
+            "hetero_gateway_remote_inflight_requests",
+            "Requests other gateway replicas have in flight per pod (as last synced).",
+            labels=labels,
+        )
+        info = GaugeMetricFamily(
+            "hetero_gateway_pod_info",
+            "Always 1; the pod's GPU type (value of the configured GPU label, empty if absent).",
+            labels=[*labels, "gpu"],
         )
         capacity = GaugeMetricFamily(
             "hetero_gateway_pod_capacity_tokens_per_second",
@@ -52,6 +90,8 @@ class GatewayCollector(Collector):
             routed.add_metric(values, self._pool.routed_total(pod.key))
             tokens.add_metric(values, self._pool.output_tokens_total(pod.key))
             inflight.add_metric(values, self._pool.inflight(pod.key))
+            remote.add_metric(values, self._pool.remote_inflight(pod.key))
+            info.add_metric([*values, pod.labels.get(self._gpu_label, "")], 1)
             estimate = self._pool.capacity(pod.key)
             if estimate is not None:
                 capacity.add_metric(values, estimate)
@@ -63,7 +103,38 @@ class GatewayCollector(Collector):
         )
         for (status, reason), count in sorted(self._errors.counts.items()):
             errors.add_metric([str(status), reason], count)
-        yield from (routed, tokens, inflight, capacity, scrape_errors, errors)
+        yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info)
+        if self._shared is not None:
+            yield GaugeMetricFamily(
+                "hetero_gateway_shared_state_up",
+                "1 while state is shared through Redis, 0 while this gateway routes on local"
+                " state only.",
+                value=1 if self._shared.up else 0,
+            )
+            yield CounterMetricFamily(
+                "hetero_gateway_shared_state_sync_errors",
+                "Shared-state round trips to Redis that failed or timed out.",
+                value=self._shared.sync_errors_total,
+            )
+            yield GaugeMetricFamily(
+                "hetero_gateway_shared_state_other_gateways",
+                "Other gateway replicas whose in-flight counts the last sync read.",
+                value=self._shared.other_gateways,
+            )
+
+
+def debug_pods(
+    pool: PodPool,
+    now: float,
+    shared: SharedStateView | None = None,
+    gpu_label: str = DEFAULT_GPU_LABEL,
+) -> dict[str, Any]:
+    """The pool's snapshot, each pod's GPU type, and the shared-state status."""
+    doc = pool.snapshot(now)
+    for entry in doc["pods"].values():
+        entry["gpu"] = entry["labels"].get(gpu_label)
+    doc["shared_state"] = {"mode": "off"} if shared is None else shared.status()
+    return doc
 
 
 def build_app(
@@ -71,9 +142,12 @@ def build_app(
     errors: ErrorCounts,
     scraper: MetricsScraper,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    shared: SharedStateView | None = None,
+    gpu_label: str = DEFAULT_GPU_LABEL,
 ) -> web.Application:
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(pool, errors, scraper))
+    registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
@@ -88,14 +162,15 @@ def build_app(
             return web.json_response({"status": "ready", "pods": len(pool.pods())})
         return web.json_response({"status": "waiting for pod discovery"}, status=503)
 
-    async def debug_pods(_: web.Request) -> web.Response:
+    async def pods(_: web.Request) -> web.Response:
         return web.Response(
-            body=orjson.dumps(pool.snapshot(clock())), content_type="application/json"
+            body=orjson.dumps(debug_pods(pool, clock(), shared, gpu_label)),
+            content_type="application/json",
         )
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
-    app.router.add_get("/debug/pods", debug_pods)
+    app.router.add_get("/debug/pods", pods)
     return app

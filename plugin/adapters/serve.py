@@ -8,6 +8,8 @@ import logging
 import random
 import signal
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -15,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from plugin.adapters.discovery import PodSource
+from plugin.adapters.discovery import PodsCallback, PodSource, StaticFileSource
 from plugin.adapters.extproc import ExtProcServicer
 from plugin.adapters.http import build_app
 from plugin.adapters.scraper import MetricsScraper
@@ -25,8 +27,69 @@ from plugin.core.pool import PodPool
 from plugin.core.router import Router
 from plugin.core.strategies import build_strategies
 from plugin.core.types import Pod
+from plugin.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plugin.adapters.redis_state import RedisState
 
 log = logging.getLogger("hetero_gateway")
+
+
+class MergedSource:
+    """Several pod sources as one (Kubernetes discovery of several namespaces).
+
+    Delivers the union of their latest lists once every source has delivered (so the first
+    delivery, which marks readiness, has every namespace), then on every change. `dedupe` keeps
+    one pod per IP:PORT across the sources.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[PodSource],
+        dedupe: Callable[[list[Pod]], list[Pod]] | None = None,
+    ) -> None:
+        self.sources = list(sources)
+        self._dedupe = dedupe
+
+    async def run(self, on_update: PodsCallback) -> None:
+        latest: dict[int, list[Pod]] = {}
+
+        def receiver(index: int) -> PodsCallback:
+            def receive(pods: list[Pod]) -> None:
+                latest[index] = pods
+                if len(latest) == len(self.sources):
+                    merged = [p for i in sorted(latest) for p in latest[i]]
+                    on_update(self._dedupe(merged) if self._dedupe else merged)
+
+            return receive
+
+        async with asyncio.TaskGroup() as group:
+            for i, source in enumerate(self.sources):
+                group.create_task(source.run(receiver(i)))
+
+
+def build_source(settings: Settings) -> PodSource:
+    """The pod source the settings choose; ConfigError when it cannot start."""
+    if settings.discovery == "kubernetes":
+        # Imported only when chosen: the client is heavy and file discovery does not need it.
+        from plugin.adapters.kubernetes import (
+            KubernetesSource,
+            load_client_configuration,
+            unique_endpoints,
+        )
+
+        configuration = load_client_configuration()
+        namespaces: Sequence[str | None] = settings.k8s_namespaces or (None,)
+        sources = [
+            KubernetesSource(ns, settings.k8s_label_selector, configuration) for ns in namespaces
+        ]
+        return sources[0] if len(sources) == 1 else MergedSource(sources, unique_endpoints)
+    if not settings.pods_file:
+        raise ConfigError(
+            "no pod source: pass --pods FILE or set HETERO_GATEWAY_PODS_FILE"
+            " (or use --discovery kubernetes)"
+        )
+    return StaticFileSource(settings.pods_file)
 
 
 class Gateway:
@@ -54,6 +117,11 @@ class Gateway:
             interval_s=settings.metric_refresh_interval_s,
             timeout_s=settings.scrape_timeout_s,
         )
+        self.shared: RedisState | None = None
+        if settings.redis is not None:
+            from plugin.adapters.redis_state import RedisState
+
+            self.shared = RedisState(self.pool, settings.redis)
         self.health = HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
@@ -99,9 +167,14 @@ class Gateway:
         await server.start()
         self._server = server
 
-        runner = web.AppRunner(
-            build_app(self.pool, self.servicer.errors, self.scraper), access_log=None
+        app = build_app(
+            self.pool,
+            self.servicer.errors,
+            self.scraper,
+            shared=self.shared,
+            gpu_label=self.settings.gpu_label,
         )
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.settings.http_port)
         await site.start()
@@ -111,6 +184,8 @@ class Gateway:
 
         self._tasks.append(asyncio.ensure_future(self.source.run(self._on_pods)))
         self._tasks.append(asyncio.ensure_future(self.scraper.run()))
+        if self.shared is not None:
+            self._tasks.append(asyncio.ensure_future(self.shared.run()))
         log.info(
             "ext_proc gRPC on %s:%d, HTTP on %s:%d",
             self.host,
@@ -125,6 +200,8 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.shared is not None:
+            await self.shared.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
         if self._runner is not None:

@@ -9,6 +9,12 @@ from typing import Any
 def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("serve", help="run the ext_proc plugin (gRPC) with /metrics over HTTP")
     p.add_argument("--pods", help="static pods YAML file (env HETERO_GATEWAY_PODS_FILE)")
+    p.add_argument(
+        "--discovery",
+        choices=("file", "kubernetes"),
+        help="pod source: the --pods file, or the Kubernetes API (env HETERO_GATEWAY_DISCOVERY,"
+        " default file; namespaces from HETERO_GATEWAY_K8S_NAMESPACE)",
+    )
     p.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (env HETERO_GATEWAY_GRPC_PORT, 50052)")
     p.add_argument("--http-port", type=int, help="HTTP port (env HETERO_GATEWAY_HTTP_PORT, 8080)")
@@ -20,16 +26,15 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import logging
 
-    from plugin.adapters.discovery import StaticFileSource
-    from plugin.adapters.serve import Gateway, run_until_signal
+    from plugin.adapters.serve import Gateway, build_source, run_until_signal
     from plugin.config import load_settings
-    from plugin.errors import ConfigError
 
     settings = load_settings()
     overrides = {
         k: v
         for k, v in (
             ("pods_file", args.pods),
+            ("discovery", args.discovery),
             ("grpc_port", args.grpc_port),
             ("http_port", args.http_port),
         )
@@ -39,9 +44,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not settings.pods_file:
-        raise ConfigError("no pod source: pass --pods FILE or set HETERO_GATEWAY_PODS_FILE")
-    source = StaticFileSource(settings.pods_file)
+    source = build_source(settings)
     main = run_until_signal(Gateway(settings, source, args.host))
     try:
         import uvloop

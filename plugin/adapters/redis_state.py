@@ -1,0 +1,331 @@
+"""State shared by several gateway replicas, kept in Redis.
+
+Off unless `REDIS_HOST` is set. A background loop syncs every `HETERO_GATEWAY_REDIS_SYNC_MS`
+(100 ms, as AIBrix's gateway does) in one pipelined MULTI/EXEC round trip; the request path never
+waits for Redis. Each round trip:
+
+- publishes this gateway's in-flight count per pod, replacing its previous entry, and renews the
+  entry's expiry (`HETERO_GATEWAY_REDIS_TTL_MS`): a gateway that dies stops renewing, and its
+  counts vanish from everyone's view when the entry expires (no phantom load);
+- reads every other live gateway's entry and hands the per-pod sums to the pool, which adds them
+  to its own counts when it scores candidates;
+- adds the output tokens counted since the previous round trip to per-pod counters shared by all
+  gateways, and reads those counters back: the pool credits each counter's increase to its
+  capacity estimator, so every gateway learns from the whole fleet's output, not its own share.
+
+Keys (a pod key is `namespace/name`; a gateway id is `POD_NAME`, or `POD_NAMESPACE/POD_NAME`,
+else the host name):
+
+    hetero-gateway:gateways               sorted set: gateway id -> last sync (unix seconds)
+    hetero-gateway:inflight:<gateway id>  hash: pod key -> in-flight count (non-zero only), and
+                                          `~instance` -> a random id of the publishing process;
+                                          expires TTL after its last sync
+    hetero-gateway:tokens:<pod key>       integer: output tokens completed by the pod, counted by
+                                          every gateway; expires after an hour without tokens
+
+The sorted set only lists whom to read (members not seen for five minutes are dropped); liveness
+is the hash's expiry, which Redis enforces with its own clock (7.0 has no per-field expiry, hence
+one hash per gateway).
+
+Failures degrade, never fail a request: a round trip that errors or takes longer than its timeout
+switches this gateway to local-only mode (the `hetero_gateway_shared_state_up` gauge drops to 0,
+one warning is logged), tokens are credited locally, other gateways' counts are kept until they
+are older than the TTL and then dropped, and the connection is retried with backoff (from one
+sync period, doubling, up to a second). The first round trip that succeeds again restores the
+shared view by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from plugin.config import RedisSettings
+from plugin.core.pool import PodPool
+
+__all__ = [
+    "GATEWAYS_KEY",
+    "INSTANCE_FIELD",
+    "KEY_PREFIX",
+    "RedisState",
+    "inflight_key",
+    "tokens_key",
+]
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "hetero-gateway"
+GATEWAYS_KEY = f"{KEY_PREFIX}:gateways"
+INSTANCE_FIELD = "~instance"  # never a pod key: those always hold a "/"
+TOKENS_TTL_S = 3600
+FORGET_GATEWAY_S = 300.0  # members silent this long leave the sorted set (clock skew margin)
+MAX_BACKOFF_S = 1.0
+REMINDER_S = 60.0  # while local-only, a reminder in the log at most this often
+
+
+def inflight_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}:inflight:{gateway_id}"
+
+
+def tokens_key(pod_key: str) -> str:
+    return f"{KEY_PREFIX}:tokens:{pod_key}"
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class RedisState:
+    """The sync loop between one gateway's `PodPool` and Redis."""
+
+    def __init__(
+        self,
+        pool: PodPool,
+        settings: RedisSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
+        self._pool = pool
+        self.settings = settings
+        self._clock = clock
+        self._wall = wall_clock
+        self._max_backoff_s = max(max_backoff_s, settings.sync_interval_s)
+        # A round trip slower than this counts as a failure; below the TTL so that a slow Redis
+        # cannot keep this gateway's entry alive with stale counts.
+        self.timeout_s = max(settings.sync_interval_s, min(0.5, settings.ttl_s / 2))
+        self._instance = secrets.token_hex(8)
+        self._client: Redis | None = None
+        self._members: list[str] = []  # gateway ids from the previous round trip
+        self._published = False
+        self._warned_collision_at: float | None = None
+        self._reminded_at = 0.0
+        self._last_ok: float | None = None
+        self.up = False  # True while the last round trip succeeded
+        self.sync_errors_total = 0
+        self.last_error: str | None = None
+        self.other_gateways = 0  # gateways other than this one that published counts
+
+    # ---------------------------------------------------------------------------------------
+    def _connect(self) -> Redis:
+        s = self.settings
+        return Redis(
+            host=s.host,
+            port=s.port,
+            password=s.password,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            # Retrying is this loop's job (backoff, local-only mode meanwhile), not the client's.
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+            max_connections=2,
+        )
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await client.aclose()
+
+    async def sync_once(self) -> bool:
+        """One publish-and-read round trip; False when it failed (state is then local-only)."""
+        pool = self._pool
+        me = self.settings.gateway_id
+        taken = pool.take_unpublished_tokens()
+        pod_keys = [p.key for p in pool.pods()]
+        local = {k: n for k in pod_keys if (n := pool.inflight(k)) > 0}
+        others = [m for m in self._members if m != me]
+        mine = inflight_key(me)
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            async with asyncio.timeout(self.timeout_s):
+                pipe = self._client.pipeline(transaction=True)
+                pipe.hget(mine, INSTANCE_FIELD)
+                pipe.delete(mine)
+                pipe.hset(
+                    mine,
+                    mapping={
+                        INSTANCE_FIELD: self._instance,
+                        **{k: str(n) for k, n in local.items()},
+                    },
+                )
+                pipe.pexpire(mine, round(self.settings.ttl_s * 1000))
+                now = self._wall()
+                pipe.zadd(GATEWAYS_KEY, {me: now})
+                pipe.zremrangebyscore(GATEWAYS_KEY, "-inf", now - FORGET_GATEWAY_S)
+                pipe.zrange(GATEWAYS_KEY, 0, -1)
+                for gateway in others:
+                    pipe.hgetall(inflight_key(gateway))
+                for key, tokens in taken.items():
+                    pipe.incrby(tokens_key(key), tokens)
+                    pipe.expire(tokens_key(key), TOKENS_TTL_S)
+                if pod_keys:
+                    pipe.mget([tokens_key(k) for k in pod_keys])
+                replies = await pipe.execute()
+        except asyncio.CancelledError:
+            pool.leave_shared_tokens(taken)
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            await self._failed(exc, taken)
+            return False
+        except Exception as exc:  # a bug or an unexpected reply must not end the loop
+            log.exception("shared state sync failed unexpectedly")
+            await self._failed(exc, taken)
+            return False
+        self._succeeded(replies, others, pod_keys)
+        return True
+
+    def _succeeded(self, replies: list[Any], others: list[str], pod_keys: list[str]) -> None:
+        previous_instance = replies[0]
+        if (
+            self._published
+            and previous_instance is not None
+            and previous_instance != self._instance
+        ):
+            self._warn_collision()
+        self._published = True
+        members = replies[6]
+        self._members = [str(m) for m in members] if isinstance(members, list) else []
+        remote: dict[str, int] = {}
+        contributing = 0
+        for entry in replies[7 : 7 + len(others)]:
+            if not isinstance(entry, dict) or not entry:
+                continue  # expired: that gateway stopped syncing
+            contributing += 1
+            for field, value in entry.items():
+                count = _int(value)
+                if field != INSTANCE_FIELD and count is not None and count > 0:
+                    remote[field] = remote.get(field, 0) + count
+        self.other_gateways = contributing
+        totals: dict[str, int | None] = {}
+        if pod_keys:
+            values = replies[-1]
+            if isinstance(values, list) and len(values) == len(pod_keys):
+                totals = {k: _int(v) for k, v in zip(pod_keys, values, strict=True)}
+        self._pool.set_remote_inflight(remote)
+        self._pool.apply_shared_tokens(totals)
+        self._last_ok = self._clock()
+        if not self.up:
+            self.up = True
+            log.info(
+                "shared state in Redis at %s:%d: in-flight counts and token counters shared"
+                " (gateway %s, %d other gateways)",
+                self.settings.host,
+                self.settings.port,
+                self.settings.gateway_id,
+                contributing,
+            )
+
+    def _warn_collision(self) -> None:
+        now = self._clock()
+        if self._warned_collision_at is None or now - self._warned_collision_at >= REMINDER_S:
+            self._warned_collision_at = now
+            log.warning(
+                "another process publishes shared state as gateway %r: give each gateway replica"
+                " its own POD_NAME, or their in-flight counts overwrite each other",
+                self.settings.gateway_id,
+            )
+
+    async def _failed(self, exc: BaseException, taken: Mapping[str, int]) -> None:
+        self._pool.leave_shared_tokens(taken)
+        self.sync_errors_total += 1
+        self.last_error = _describe(exc)
+        now = self._clock()
+        if self._last_ok is None or now - self._last_ok > self.settings.ttl_s:
+            # What other gateways had in flight is older than their entries would live: drop it.
+            self._pool.set_remote_inflight({})
+            self.other_gateways = 0
+        if self.up:
+            self.up = False
+            self._reminded_at = now
+            log.warning(
+                "shared state in Redis at %s:%d unavailable (%s): routing on this gateway's local"
+                " state only; reconnecting with backoff",
+                self.settings.host,
+                self.settings.port,
+                self.last_error,
+            )
+        elif now - self._reminded_at >= REMINDER_S:
+            self._reminded_at = now
+            log.warning(
+                "shared state in Redis at %s:%d still unavailable (%s): local state only",
+                self.settings.host,
+                self.settings.port,
+                self.last_error,
+            )
+        await self._drop_client()
+
+    # ---------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Sync until cancelled: every period while Redis answers, with backoff while not."""
+        interval = self.settings.sync_interval_s
+        backoff = interval
+        task = asyncio.current_task()
+        while True:
+            # On Python 3.11 the client's `asyncio.wait_for` can swallow a cancellation that
+            # lands as its operation completes; the task stays marked as cancelling, so honour it
+            # here, or shutting down would wait for this loop forever.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
+            started = self._clock()
+            if await self.sync_once():
+                backoff = interval
+                wait = interval - (self._clock() - started)
+            else:
+                wait = random.uniform(backoff / 2, backoff)  # jitter: replicas do not align
+                backoff = min(backoff * 2, self._max_backoff_s)
+            await asyncio.sleep(max(0.0, wait))
+
+    async def close(self) -> None:
+        """Leave the shared view at once (best effort): remove this gateway's entry and publish
+        the tokens counted since the last sync; then close the connection."""
+        taken = self._pool.take_unpublished_tokens()
+        me = self.settings.gateway_id
+        if self._client is not None and self.up:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    pipe = self._client.pipeline(transaction=True)
+                    pipe.delete(inflight_key(me))
+                    pipe.zrem(GATEWAYS_KEY, me)
+                    for key, tokens in taken.items():
+                        pipe.incrby(tokens_key(key), tokens)
+                        pipe.expire(tokens_key(key), TOKENS_TTL_S)
+                    await pipe.execute()
+        self.up = False
+        await self._drop_client()
+
+    def status(self) -> dict[str, Any]:
+        """JSON-ready view for /debug/pods."""
+        age = None if self._last_ok is None else round(self._clock() - self._last_ok, 3)
+        return {
+            "mode": "shared" if self.up else "local-only",
+            "redis": f"{self.settings.host}:{self.settings.port}",
+            "gateway": self.settings.gateway_id,
+            "other_gateways": self.other_gateways,
+            "tokens_shared": self._pool.shared_tokens,
+            "last_sync_age_s": age,
+            "sync_errors_total": self.sync_errors_total,
+            "last_error": self.last_error,
+        }

@@ -1,0 +1,481 @@
+"""Shared state against a real `redis-server`, started by the fixture on a free loopback port.
+
+Each test gets its own server (no persistence), so it can kill it, pause it and start it again on
+the same port. Gateways are `PodPool` + `RedisState` pairs in this process; the traffic test runs
+a whole `Gateway` and drives it over its real ext_proc gRPC protocol while Redis dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+import pytest_asyncio
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
+
+from plugin.adapters.discovery import StaticFileSource
+from plugin.adapters.redis_state import (
+    GATEWAYS_KEY,
+    RedisState,
+    inflight_key,
+    tokens_key,
+)
+from plugin.adapters.serve import Gateway
+from plugin.config import RedisSettings, load_settings
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import Lease, PodPool
+from plugin.core.types import Pod
+from plugin.demo.fleet import free_port
+from plugin.demo.redis_server import RedisServer
+
+WAIT_S = 5.0  # bound of every "until" wait
+SYNC_S = 0.05
+TTL_S = 0.5
+
+
+def pod(name: str, port: int = 8000) -> Pod:
+    return Pod(
+        name=name, namespace="ns", model="m", address="127.0.0.1", port=port, metrics_port=port
+    )
+
+
+X, Y = pod("x", 8001), pod("y", 8002)
+
+
+@pytest_asyncio.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    async with RedisServer() as server:
+        yield server
+
+
+@dataclasses.dataclass
+class Member:
+    """One gateway's state: its pool, its estimator and its sync loop."""
+
+    pool: PodPool
+    estimator: CapacityEstimator
+    state: RedisState
+    task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.state.run())
+
+    async def crash(self) -> None:
+        """Stop syncing without a goodbye, as a killed process would."""
+        task, self.task = self.task, None
+        if task is not None:
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=WAIT_S)
+            if not done:
+                task.print_stack()
+                pytest.fail("the sync loop did not stop when cancelled")
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest_asyncio.fixture
+async def members(redis_server: RedisServer) -> AsyncIterator[Callable[..., Member]]:
+    made: list[Member] = []
+
+    def make(gateway_id: str, ttl_s: float = TTL_S, sync_s: float = SYNC_S) -> Member:
+        estimator = CapacityEstimator()
+        pool = PodPool(estimator)
+        pool.set_pods([X, Y])
+        settings = RedisSettings(
+            host=redis_server.host,
+            port=redis_server.port,
+            gateway_id=gateway_id,
+            sync_interval_s=sync_s,
+            ttl_s=ttl_s,
+        )
+        member = Member(pool, estimator, RedisState(pool, settings, max_backoff_s=0.2))
+        made.append(member)
+        return member
+
+    yield make
+    for m in made:
+        await m.crash()
+        await m.state.close()
+
+
+async def eventually(check: Callable[[], bool], what: str, limit_s: float = WAIT_S) -> float:
+    """Poll until `check()`; returns the seconds it took; fails after `limit_s`."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > limit_s:
+            pytest.fail(f"timed out after {limit_s} s waiting for {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+def hold(pool: PodPool, p: Pod, n: int) -> list[Lease]:
+    return [pool.acquire(p) for _ in range(n)]
+
+
+def running(pool: PodPool) -> dict[str, int]:
+    return {c.pod.name: c.running for c in pool.candidates("m", 0.0)}
+
+
+# --- in-flight counts ---------------------------------------------------------------------------
+
+
+async def test_inflight_counts_sum_across_two_gateways(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    a, b = members("gw-a"), members("gw-b")
+    hold(a.pool, X, 2)
+    hold(b.pool, X, 3)
+    hold(b.pool, Y, 1)
+    # Round 1 lists both gateways; each reads the others it knew from the round before.
+    for _ in range(3):
+        for m in (a, b):
+            assert await m.state.sync_once()
+    assert running(a.pool) == {"x": 5, "y": 1}
+    assert running(b.pool) == {"x": 5, "y": 1}
+    assert (a.pool.inflight(X.key), a.pool.remote_inflight(X.key)) == (2, 3)
+    assert (b.pool.inflight(X.key), b.pool.remote_inflight(X.key)) == (3, 2)
+    assert a.state.other_gateways == b.state.other_gateways == 1
+
+    # The layout the README documents.
+    async with Redis(port=redis_server.port, decode_responses=True) as r:
+        assert set(await r.zrange(GATEWAYS_KEY, 0, -1)) == {"gw-a", "gw-b"}
+        entry = await r.hgetall(inflight_key("gw-b"))
+        assert {k: v for k, v in entry.items() if "/" in k} == {X.key: "3", Y.key: "1"}
+        assert 0 < await r.pttl(inflight_key("gw-b")) <= TTL_S * 1000
+
+
+async def test_released_requests_leave_the_other_gateways_view(
+    members: Callable[..., Member],
+) -> None:
+    a, b = members("gw-a"), members("gw-b")
+    leases = hold(b.pool, X, 4)
+    for _ in range(3):
+        for m in (a, b):
+            await m.state.sync_once()
+    assert a.pool.remote_inflight(X.key) == 4
+    for lease in leases[:3]:
+        lease.release(0, 200, 0.0)
+    await b.state.sync_once()
+    await a.state.sync_once()
+    assert a.pool.remote_inflight(X.key) == 1
+
+
+async def test_gateway_that_stops_publishing_drops_out_within_the_expiry(
+    members: Callable[..., Member],
+) -> None:
+    a, b = members("gw-a"), members("gw-b")
+    hold(b.pool, X, 3)
+    a.start()
+    b.start()
+    await eventually(lambda: a.pool.remote_inflight(X.key) == 3, "gw-b's counts")
+    await b.crash()
+    took = await eventually(lambda: a.pool.remote_inflight(X.key) == 0, "gw-b to expire")
+    assert took <= TTL_S + 0.5, took
+    assert a.state.other_gateways == 0
+    assert a.state.up
+
+
+async def test_gateway_that_stops_cleanly_leaves_at_once(members: Callable[..., Member]) -> None:
+    a, b = members("gw-a", ttl_s=30.0), members("gw-b", ttl_s=30.0)
+    hold(b.pool, X, 2)
+    a.start()
+    b.start()
+    await eventually(lambda: a.pool.remote_inflight(X.key) == 2, "gw-b's counts")
+    await b.crash()
+    await b.state.close()
+    # Far sooner than the 30 s expiry: close() removed the entry.
+    await eventually(lambda: a.pool.remote_inflight(X.key) == 0, "gw-b to leave", limit_s=2.0)
+
+
+async def test_two_processes_with_one_name_are_reported(
+    members: Callable[..., Member], caplog: pytest.LogCaptureFixture
+) -> None:
+    a1, a2 = members("gw-a"), members("gw-a")
+    with caplog.at_level(logging.WARNING, logger="plugin.adapters.redis_state"):
+        for _ in range(2):
+            for m in (a1, a2):
+                await m.state.sync_once()
+    assert "give each gateway replica its own POD_NAME" in caplog.text
+
+
+# --- token counters -----------------------------------------------------------------------------
+
+
+async def test_token_counters_are_shared(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    a, b = members("gw-a"), members("gw-b")
+    for m in (a, b):  # enter shared mode (baselines)
+        await m.state.sync_once()
+        assert m.pool.shared_tokens
+    a.pool.acquire(X).release(100, 200, 0.0)
+    b.pool.acquire(X).release(40, 200, 0.0)
+    b.pool.credit_tokens(Y.key, 7)
+    for _ in range(2):
+        for m in (a, b):
+            assert await m.state.sync_once()
+    # Each estimator saw the whole fleet's output; each gateway's own count stays its own.
+    for m in (a, b):
+        assert (m.estimator.total(X.key), m.estimator.total(Y.key)) == (140, 7)
+    assert (a.pool.output_tokens_total(X.key), b.pool.output_tokens_total(X.key)) == (100, 40)
+    async with Redis(port=redis_server.port, decode_responses=True) as r:
+        assert await r.get(tokens_key(X.key)) == "140"
+    # Same tokens, same windows: the two gateways' capacity estimates agree.
+    for m in (a, b):
+        m.pool.refresh_capacity(0.0)
+    a.pool.acquire(X).release(60, 200, 0.0)
+    for _ in range(2):
+        for m in (a, b):
+            await m.state.sync_once()
+    for m in (a, b):
+        m.pool.refresh_capacity(10.0)
+    assert a.pool.capacity(X.key) == b.pool.capacity(X.key) == pytest.approx(6.0)
+
+
+async def test_redis_restart_is_a_reset_and_no_token_is_counted_twice(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    a = members("gw-a")
+    await a.state.sync_once()
+    a.pool.credit_tokens(X.key, 30)
+    await a.state.sync_once()
+    assert a.estimator.total(X.key) == 30
+
+    await redis_server.kill()
+    a.pool.credit_tokens(X.key, 5)  # taken by the failing round trip: credited locally
+    assert not await a.state.sync_once()
+    assert not a.state.up and not a.pool.shared_tokens
+    a.pool.credit_tokens(X.key, 4)  # local mode: straight to the estimator
+    assert a.estimator.total(X.key) == 39
+
+    await redis_server.start()  # empty: the counters start from 0 again
+    assert await a.state.sync_once()
+    assert a.state.up and a.pool.shared_tokens
+    a.pool.credit_tokens(X.key, 11)
+    await a.state.sync_once()
+    assert a.estimator.total(X.key) == 50
+    assert a.pool.output_tokens_total(X.key) == 50
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+
+async def test_paused_redis_is_local_only_then_shared_again(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    """A Redis that stops answering (SIGSTOP: connections hang) times out the round trip."""
+    a, b = members("gw-a"), members("gw-b")
+    hold(b.pool, X, 2)
+    a.start()
+    b.start()
+    await eventually(lambda: a.state.up and a.pool.remote_inflight(X.key) == 2, "shared view")
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: not a.state.up, "local-only mode")
+        assert not a.pool.shared_tokens
+        # Other gateways' counts are dropped once older than their entries would live.
+        await eventually(lambda: a.pool.remote_inflight(X.key) == 0, "remote counts dropped")
+        assert a.state.sync_errors_total >= 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await eventually(lambda: a.state.up and a.pool.remote_inflight(X.key) == 2, "shared again")
+
+
+async def test_unreachable_redis_at_start_is_local_only(members: Callable[..., Member]) -> None:
+    a = members("gw-a")
+    a.state.settings = dataclasses.replace(a.state.settings, port=free_port())
+    assert not await a.state.sync_once()
+    assert not a.state.up
+    a.pool.acquire(X).release(9, 200, 0.0)
+    assert a.estimator.total(X.key) == 9
+    assert a.state.status()["mode"] == "local-only"
+
+
+async def test_sync_costs_no_redis_call_per_request(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    """Requests only touch the pool; Redis sees one round trip per sync, however many ran."""
+    a = members("gw-a", sync_s=0.5, ttl_s=2.0)
+    await a.state.sync_once()
+    async with Redis(port=redis_server.port, decode_responses=True) as r:
+        before = (await r.info("stats"))["total_commands_processed"]
+        for _ in range(500):
+            a.pool.acquire(X).release(3, 200, 0.0)
+        await a.state.sync_once()
+        after = (await r.info("stats"))["total_commands_processed"]
+    # One pipeline (MULTI, 7 fixed commands, INCRBY + EXPIRE per pod, MGET, EXEC) and the INFO.
+    assert after - before <= 15, after - before
+    assert a.estimator.total(X.key) == 1500
+
+
+# --- a whole gateway under traffic while Redis dies ---------------------------------------------
+
+
+def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    )
+
+
+def _messages(tokens: int) -> list[pb.ProcessingRequest]:
+    request = {":path": "/v1/chat/completions", ":method": "POST", ":authority": "gw"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": tokens}}
+    return [
+        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_header_map(request))),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True)),
+        pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(
+                headers=_header_map({":status": "200", "content-type": "application/json"})
+            )
+        ),
+        pb.ProcessingRequest(
+            response_body=pb.HttpBody(body=orjson.dumps(usage), end_of_stream=True)
+        ),
+    ]
+
+
+async def _one_request(stub: pb_grpc.ExternalProcessorStub, tokens: int) -> bool:
+    """One request through every ext_proc phase; True when it was routed and completed."""
+    call = stub.Process()
+    routed = False
+    async with asyncio.timeout(WAIT_S):
+        for message in _messages(tokens):
+            await call.write(message)
+            reply = await call.read()
+            if not isinstance(reply, pb.ProcessingResponse):
+                return False
+            if reply.WhichOneof("response") == "immediate_response":
+                return False
+            if reply.WhichOneof("response") == "request_body":
+                mutation = reply.request_body.response.header_mutation
+                routed = any(h.header.key == "target-pod" for h in mutation.set_headers)
+        await call.done_writing()
+        await call.read()
+    return routed and await call.code() == grpc.StatusCode.OK
+
+
+@pytest.fixture
+def pods_file(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "pods.yaml"
+    doc = {
+        "models": {
+            "m": {
+                "pods": [
+                    {"name": p.name, "namespace": "ns", "address": p.address, "port": p.port}
+                    for p in (X, Y)
+                ]
+            }
+        }
+    }
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    yield path
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float | None:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
+
+
+async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
+    pods_file: Path,
+    redis_server: RedisServer,
+    members: Callable[..., Member],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    env = {
+        "REDIS_HOST": redis_server.host,
+        "REDIS_PORT": str(redis_server.port),
+        "POD_NAME": "gw-under-test",
+        "HETERO_GATEWAY_REDIS_SYNC_MS": str(int(SYNC_S * 1000)),
+        "HETERO_GATEWAY_REDIS_TTL_MS": str(int(TTL_S * 1000)),
+        "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "30000",  # the pods do not exist: no scraping
+    }
+    settings = dataclasses.replace(load_settings(env), grpc_port=0, http_port=0)
+    gateway = Gateway(settings, StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
+    other = members("gw-other")  # a second gateway holding load on x
+    hold(other.pool, X, 2)
+    other.start()
+    outcomes: list[bool] = []
+    stop = asyncio.Event()
+
+    async def traffic(stub: pb_grpc.ExternalProcessorStub) -> None:
+        while not stop.is_set():
+            try:
+                outcomes.append(await _one_request(stub, 5))
+            except Exception:
+                outcomes.append(False)
+
+    caplog.set_level(logging.INFO, logger="plugin.adapters.redis_state")
+    await gateway.start()
+    url = f"http://127.0.0.1:{gateway.http_port}"
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel,
+            aiohttp.ClientSession() as http,
+        ):
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            shared = gateway.shared
+            assert shared is not None
+            await eventually(
+                lambda: shared.up and gateway.pool.remote_inflight(X.key) == 2, "shared view"
+            )
+            assert await _metric(http, url, "hetero_gateway_shared_state_up") == 1.0
+            workers = [asyncio.ensure_future(traffic(stub)) for _ in range(4)]
+            try:
+                await asyncio.sleep(0.5)
+                before = len(outcomes)
+                await redis_server.kill()
+                await eventually(lambda: not shared.up, "local-only mode")
+                assert await _metric(http, url, "hetero_gateway_shared_state_up") == 0.0
+                async with http.get(f"{url}/debug/pods") as resp:
+                    debug = orjson.loads(await resp.read())
+                assert debug["shared_state"]["mode"] == "local-only"
+                assert debug["shared_state"]["gateway"] == "gw-under-test"
+                await asyncio.sleep(1.0)  # traffic on local state only
+                during = len(outcomes) - before
+                await redis_server.start()
+                took = await eventually(
+                    lambda: shared.up and gateway.pool.remote_inflight(X.key) == 2,
+                    "shared view back",
+                )
+                assert took < 3.0, took
+                await asyncio.sleep(0.3)
+            finally:
+                stop.set()
+                await asyncio.gather(*workers)
+            assert await _metric(http, url, "hetero_gateway_shared_state_up") == 1.0
+            errors = await _metric(http, url, "hetero_gateway_shared_state_sync_errors_total")
+            assert errors is not None and errors >= 1
+    finally:
+        await gateway.stop()
+    assert during > 20, during  # requests kept flowing while Redis was gone
+    assert len(outcomes) > during and all(outcomes), outcomes.count(False)
+    # No leaked in-flight count, and every token counted.
+    assert gateway.pool.inflight(X.key) == gateway.pool.inflight(Y.key) == 0
+    counted = gateway.pool.output_tokens_total(X.key) + gateway.pool.output_tokens_total(Y.key)
+    assert counted == 5 * len(outcomes)
+    assert "routing on this gateway's local state only" in caplog.text
+    assert "in-flight counts and token counters shared" in caplog.text
