@@ -65,6 +65,27 @@ class StartError(RuntimeError):
     """A child process did not come up; the message carries the tail of its log."""
 
 
+@dataclass(slots=True)
+class ExtraGateway:
+    """A second plugin (same pods, its own environment) with its own Envoy in front of it."""
+
+    name: str
+    grpc_port: int
+    http_port: int
+    listen_port: int
+    admin_port: int
+    plugin: asyncio.subprocess.Process | None = None
+    envoy: asyncio.subprocess.Process | None = None
+
+    @property
+    def plugin_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def envoy_url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+
 class LocalFleet:
     def __init__(self, spec: FleetSpec, workdir: str | None = None) -> None:
         self.spec = spec
@@ -87,6 +108,7 @@ class LocalFleet:
         self.plugin: asyncio.subprocess.Process | None = None
         self.envoy: asyncio.subprocess.Process | None = None
         self.extra_envoys: list[asyncio.subprocess.Process] = []
+        self.extra_gateways: list[ExtraGateway] = []
         self._logs: dict[str, Path] = {}
 
     @property
@@ -112,7 +134,8 @@ class LocalFleet:
                             "address": "127.0.0.1",
                             "port": e.port,
                             "engine": "vllm",
-                            "labels": {"gpu": e.preset},
+                            # The GPU type as /debug/pods shows it (HETERO_GATEWAY_GPU_LABEL).
+                            "labels": {"gpu": e.preset, "app.kubernetes.io/name": e.preset},
                         }
                         for e in self.engines
                     ]
@@ -204,10 +227,15 @@ class LocalFleet:
 
     async def start_plugin(self) -> None:
         """Start (or, after `stop_process(fleet.plugin)`, restart) the plugin; wait until ready."""
-        env = {**os.environ, **self.spec.plugin_env}
+        self.plugin = await self._spawn_plugin("plugin", self.grpc_port, self.http_port, {})
+        await self._wait_http("plugin", self.plugin, f"{self.plugin_url}/readyz")
+
+    async def _spawn_plugin(
+        self, name: str, grpc_port: int, http_port: int, env: dict[str, str]
+    ) -> asyncio.subprocess.Process:
         py = [sys.executable, "-m", "plugin"]
-        self.plugin = await self._spawn(
-            "plugin",
+        return await self._spawn(
+            name,
             [
                 *py,
                 "serve",
@@ -216,13 +244,27 @@ class LocalFleet:
                 "--host",
                 "127.0.0.1",
                 "--grpc-port",
-                str(self.grpc_port),
+                str(grpc_port),
                 "--http-port",
-                str(self.http_port),
+                str(http_port),
             ],
-            env=env,
+            env={**os.environ, **self.spec.plugin_env, **env},
         )
-        await self._wait_http("plugin", self.plugin, f"{self.plugin_url}/readyz")
+
+    async def start_extra_gateway(self, name: str, plugin_env: dict[str, str]) -> ExtraGateway:
+        """Another plugin over the same engines and pods file, with `plugin_env` on top of the
+        spec's, behind its own Envoy; `stop()` stops both. Several gateway replicas sharing state
+        (REDIS_HOST, a distinct POD_NAME each) are tested this way."""
+        gw = ExtraGateway(name, free_port(), free_port(), free_port(), free_port())
+        self.extra_gateways.append(gw)  # before the waits: a failed start is stopped too
+        gw.plugin = await self._spawn_plugin(
+            f"{name}-plugin", gw.grpc_port, gw.http_port, plugin_env
+        )
+        await self._wait_http(f"{name}-plugin", gw.plugin, f"{gw.plugin_url}/readyz")
+        opts = replace(self.envoy_options(gw.listen_port, gw.admin_port), extproc_port=gw.grpc_port)
+        gw.envoy = await self._spawn_envoy(f"{name}-envoy", opts)
+        await self._wait_http(f"{name}-envoy", gw.envoy, f"http://127.0.0.1:{gw.admin_port}/ready")
+        return gw
 
     def envoy_options(self, listen_port: int, admin_port: int) -> EnvoyOptions:
         """The fleet's Envoy options (plugin address, fail mode, count mode) on other ports."""
@@ -282,6 +324,8 @@ class LocalFleet:
 
     async def stop(self) -> None:
         await asyncio.gather(*(self.stop_process(p) for p in self.extra_envoys))
+        await asyncio.gather(*(self.stop_process(g.envoy) for g in self.extra_gateways))
+        await asyncio.gather(*(self.stop_process(g.plugin) for g in self.extra_gateways))
         await self.stop_process(self.envoy)
         await self.stop_process(self.plugin)
         await asyncio.gather(*(self.stop_process(e.proc) for e in self.engines))

@@ -1,0 +1,148 @@
+"""Data plane with two gateway replicas: two plugin processes, each behind its own real Envoy,
+sharing state through one `redis-server`, in front of one fleet of mock engines.
+
+Traffic goes through both Envoys at once, so each gateway routes and counts about half of every
+replica's requests. With shared token counters both gateways must still learn each replica's
+whole output rate: their capacity estimates agree with each other and with what the engines
+really generated (the engines' own `vllm:generation_tokens_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from plugin.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
+from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
+from plugin.demo.redis_server import RedisServer
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = "llama-3-8b"
+WINDOW_S = 20.0  # capacity window, shortened so that a test-length run fills it
+TRAFFIC_S = 40.0
+READ_AT_S = 36.0  # when the estimates are read, traffic still flowing
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stack() -> AsyncIterator[tuple[LocalFleet, ExtraGateway, RedisServer]]:
+    async with RedisServer() as redis:
+        common = {
+            "REDIS_HOST": redis.host,
+            "REDIS_PORT": str(redis.port),
+            "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "500",
+            "HETERO_GATEWAY_CAPACITY_WINDOW_S": str(WINDOW_S),
+            "HETERO_GATEWAY_CAPACITY_TAU_S": "2",
+        }
+        spec = FleetSpec(
+            model=MODEL,
+            time_scale=2.0,
+            tokens_per_chunk=4,
+            listen_port=free_port(),
+            plugin_env={**common, "POD_NAME": "gw-a"},
+        )
+        async with LocalFleet(spec) as fleet:
+            second = await fleet.start_extra_gateway("gw-b", {"POD_NAME": "gw-b"})
+            yield fleet, second, redis
+
+
+async def debug_pods(session: aiohttp.ClientSession, plugin_url: str) -> dict[str, Any]:
+    async with session.get(f"{plugin_url}/debug/pods") as resp:
+        doc: dict[str, Any] = orjson.loads(await resp.read())
+    return doc
+
+
+async def generated(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[str, float]:
+    """Each engine's own count of the output tokens it generated."""
+    out: dict[str, float] = {}
+    for e in fleet.engines:
+        async with session.get(f"{e.url}/metrics") as resp:
+            text = await resp.text()
+        out[f"default/{e.name}"] = sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == "vllm:generation_tokens_total"
+        )
+    return out
+
+
+async def test_two_gateways_agree_on_each_replicas_capacity(
+    stack: tuple[LocalFleet, ExtraGateway, RedisServer],
+) -> None:
+    fleet, second, _ = stack
+    urls = {"gw-a": fleet.plugin_url, "gw-b": second.plugin_url}
+    saturated = sum(e.saturated_tokens_per_s for e in fleet.engines)
+    out = LengthDist(median=24, sigma=0.5, low=4, high=96)
+    per_gateway_rate = 0.3 * saturated / out.mean()  # 60% of the fleet's capacity in all
+
+    def workload(seed: int) -> Workload:
+        return Workload(
+            rate_per_s=per_gateway_rate,
+            duration_s=TRAFFIC_S,
+            prompt_words=LengthDist(median=16, sigma=0.5, low=2, high=64),
+            output_tokens=out,
+            seed=seed,
+        )
+
+    async with aiohttp.ClientSession() as session:
+        for name, url in urls.items():  # both joined the shared state
+            deadline = time.monotonic() + 10
+            while True:
+                state = (await debug_pods(session, url))["shared_state"]
+                if state["mode"] == "shared" and state["other_gateways"] == 1:
+                    break
+                assert time.monotonic() < deadline, (name, state)
+                await asyncio.sleep(0.2)
+
+        loads = [
+            asyncio.ensure_future(
+                run_open_loop(url, MODEL, workload(seed), strategy="load-balance")
+            )
+            for url, seed in ((fleet.envoy_url, 1), (second.envoy_url, 2))
+        ]
+        t0 = time.monotonic()
+        saw_remote = {name: False for name in urls}
+        base: dict[str, float] | None = None
+        base_t = 0.0
+        while (elapsed := time.monotonic() - t0) < READ_AT_S:
+            if base is None and elapsed >= READ_AT_S - WINDOW_S:
+                base = await generated(session, fleet)
+                base_t = time.monotonic()
+            for name, url in urls.items():
+                pods = (await debug_pods(session, url))["pods"]
+                saw_remote[name] |= any(p["inflight_remote"] > 0 for p in pods.values())
+            await asyncio.sleep(0.5)
+        assert base is not None
+        states = {name: await debug_pods(session, url) for name, url in urls.items()}
+        end = await generated(session, fleet)
+        span = time.monotonic() - base_t
+        results = await asyncio.gather(*loads)
+
+    failed = [r for rs in results for r in rs if not r.ok]
+    assert not failed, [r.error for r in failed][:3]
+    # Each gateway saw the other's requests in flight (routing used the sum).
+    assert saw_remote == {"gw-a": True, "gw-b": True}
+    real = {key: (end[key] - base[key]) / span for key in end}
+    for key, rate in real.items():
+        a = states["gw-a"]["pods"][key]["capacity_tokens_per_s"]
+        b = states["gw-b"]["pods"][key]["capacity_tokens_per_s"]
+        print(f"{key}: engine {rate:.0f} tok/s, gw-a {a:.0f}, gw-b {b:.0f}")
+        assert a is not None and b is not None, key
+        assert abs(a - b) <= 0.10 * max(a, b), (key, a, b)
+        for estimate in (a, b):
+            assert abs(estimate - rate) <= 0.15 * rate, (key, estimate, rate)
+        assert states["gw-a"]["pods"][key]["gpu"] == key.split("/")[1].split("-")[0]
+        # Each gateway counted only its own part of the replica's output, yet estimated all of it.
+        counted = {
+            name: states[name]["pods"][key]["output_tokens_total"] for name in ("gw-a", "gw-b")
+        }
+        assert all(n > 0 for n in counted.values()), counted
