@@ -170,8 +170,9 @@ def _scrape(pool: PodPool, p: Pod, running: float, waiting: float, now: float) -
         ([(32, 5), (32, 3), (40, 0)], 40),  # more run without a queue: the cap was higher
         ([(32, 5), (32, 3), (20, 0)], 32),  # fewer running says nothing new
         ([(float("nan"), 5), (float("nan"), 5)], None),
+        ([(40, 0), (32, 5), (32, 3)], None),  # held below its peak: a budget wait, not a cap
     ],
-    ids=["held", "once", "moving", "raised", "lower", "nan"],
+    ids=["held", "once", "moving", "raised", "lower", "nan", "below-peak"],
 )
 def test_pool_learns_an_engines_batch_cap_from_its_metrics(
     scrapes: list[tuple[float, float]], expected: int | None

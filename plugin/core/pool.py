@@ -92,6 +92,7 @@ class PodPool:
         "_inflight",
         "_metrics",
         "_metrics_max_age_s",
+        "_peak_running",
         "_pods",
         "_remote",
         "_routed",
@@ -119,6 +120,7 @@ class PodPool:
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
         self._saturation: dict[str, int] = {}
+        self._peak_running: dict[str, float] = {}
         self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
@@ -138,6 +140,7 @@ class PodPool:
         for key in self._pods.keys() - new.keys():
             self._metrics.pop(key, None)
             self._saturation.pop(key, None)
+            self._peak_running.pop(key, None)
             self._capacity.forget(key)
             self._health.pop(key, None)
             self._routed.pop(key, None)
@@ -259,19 +262,26 @@ class PodPool:
     def _learn_saturation(
         self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None
     ) -> None:
-        """An engine at its batch cap keeps a queue while running the same number of requests:
-        that number is the most it runs at once. Running more without a queue raises it.
+        """An engine at its batch cap keeps a queue while running the most it has ever run:
+        that number is its cap. Running more without a queue raises it.
 
-        A queue must show in two scrapes in a row with the same running count. A request that
-        just arrived waits for the next step, and a burst of long prompts waits for the step's
-        token budget; neither is a cap, and the running count moves between them.
+        The queue must show in two scrapes in a row at the same running count, and that count
+        must be the engine's peak. A request that just arrived waits for the next step, and a
+        burst of long prompts waits for the step's token budget at whatever count is running;
+        neither is a cap.
         """
         running, waiting = metrics.running, metrics.waiting
         if running is None or waiting is None or not running >= 1:  # also rejects NaN
             return
+        peak = self._peak_running.get(key, 0.0)
+        if running > peak:
+            self._peak_running[key] = peak = running
         known = self._saturation.get(key)
         held = (
-            previous is not None and (previous.waiting or 0.0) >= 1 and previous.running == running
+            previous is not None
+            and (previous.waiting or 0.0) >= 1
+            and previous.running == running
+            and running >= peak
         )
         if (waiting >= 1 and held) or (known is not None and running > known):
             self._saturation[key] = int(running)
