@@ -184,6 +184,7 @@ class RedisState:
                 if pod_keys:
                     pipe.mget([tokens_key(k) for k in pod_keys])
                 replies = await pipe.execute()
+            self._succeeded(replies, others, pod_keys)
         except asyncio.CancelledError:
             pool.leave_shared_tokens(taken)
             raise
@@ -194,7 +195,6 @@ class RedisState:
             log.exception("shared state sync failed unexpectedly")
             await self._failed(exc, taken)
             return False
-        self._succeeded(replies, others, pod_keys)
         return True
 
     def _succeeded(self, replies: list[Any], others: list[str], pod_keys: list[str]) -> None:
