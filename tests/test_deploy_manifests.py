@@ -741,6 +741,48 @@ def test_stream_idle_timeout_matches_the_standalone_bootstrap() -> None:
     )
 
 
+def check_plugin_probes_and_resources(container: Obj) -> None:
+    """Readiness from the plugin's gRPC health service, liveness from /healthz, requests set."""
+    defaults = Settings()
+    # Kubernetes' native gRPC probe (1.27+) asks grpc.health.v1 on the ext_proc port: SERVING
+    # only once discovery has loaded, NOT_SERVING while draining. The port must be a number and
+    # the one the plugin listens on (plugin.config's default, which the ConfigMap keeps).
+    readiness = container["readinessProbe"]
+    probe_kinds = {"grpc", "httpGet", "tcpSocket", "exec"}
+    assert set(readiness) & probe_kinds == {"grpc"}, readiness
+    assert readiness["grpc"].get("service", "") == "", "the plugin reports health on service ''"
+    assert readiness["grpc"]["port"] == defaults.grpc_port
+    assert _container_port(container, "grpc") == defaults.grpc_port
+    liveness = container["livenessProbe"]
+    assert set(liveness) & probe_kinds == {"httpGet"}, liveness
+    assert liveness["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert _container_port(container, "http") == defaults.http_port
+    requests = container.get("resources", {}).get("requests", {})
+    assert requests.get("cpu") and requests.get("memory"), container.get("resources")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(_set("readinessProbe.grpc.port", 50051), id="wrong-port"),
+        pytest.param(_set("readinessProbe.grpc.port", "grpc"), id="named-port"),
+        pytest.param(
+            _set("readinessProbe", {"httpGet": {"path": "/readyz", "port": "http"}}),
+            id="http-readiness",
+        ),
+        pytest.param(_set("readinessProbe.grpc.service", "x"), id="unknown-service"),
+        pytest.param(_set("livenessProbe", {"grpc": {"port": 50052}}), id="grpc-liveness"),
+        pytest.param(_set("resources", {"limits": {"memory": "1Gi"}}), id="no-requests"),
+    ],
+)
+def test_probe_check_catches_mistakes(mutate: Callable[[Obj], None]) -> None:
+    container = _plugin_container(render("original-dst"))
+    check_plugin_probes_and_resources(container)
+    mutate(container)
+    with pytest.raises(AssertionError):
+        check_plugin_probes_and_resources(container)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
     objs = render(overlay)
@@ -751,8 +793,7 @@ def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
     assert _container_port(container, "grpc") == defaults.grpc_port
     assert _container_port(container, "http") == defaults.http_port
     assert container["image"].startswith("hetero-gateway:")
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    check_plugin_probes_and_resources(container)
     service = one(objs, "Service", "hetero-gateway")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
         "grpc": (defaults.grpc_port, "grpc"),
