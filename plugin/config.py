@@ -133,6 +133,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar("HETERO_GATEWAY_LOG_LEVEL", "string", "INFO", "Python logging level."),
     EnvVar(
+        "HETERO_GATEWAY_DRAIN_S",
+        "float >= 0",
+        "20",
+        "On SIGTERM the plugin refuses new ext_proc streams, reports not ready (gRPC health and"
+        " /readyz) and waits up to this long for in-flight requests to finish before closing"
+        " them. Keep it below the pod's terminationGracePeriodSeconds.",
+    ),
+    EnvVar(
         "HETERO_GATEWAY_DISCOVERY",
         "`file` or `kubernetes`",
         "file",
@@ -223,6 +231,7 @@ class Settings:
     capacity_tau_s: float = 10.0
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     log_level: str = "INFO"
+    drain_s: float = 20.0
     discovery: str = "file"
     k8s_namespaces: tuple[str, ...] = ()  # empty: every namespace
     k8s_label_selector: str = DEFAULT_K8S_LABEL_SELECTOR
@@ -381,7 +390,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     level = env.get("HETERO_GATEWAY_LOG_LEVEL", "INFO").strip().upper() or "INFO"
     if level not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
         raise ConfigError(f"HETERO_GATEWAY_LOG_LEVEL={level!r} is not a logging level")
+    drain_s = _parse(
+        env, "HETERO_GATEWAY_DRAIN_S", float, 20.0, lambda v: 0 <= v <= 3600, "seconds in [0, 3600]"
+    )
     return Settings(
+        drain_s=drain_s,
         default_strategy=strategy,
         strategy=params,
         metric_refresh_interval_s=refresh_ms / 1000.0,

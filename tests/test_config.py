@@ -197,3 +197,10 @@ def test_every_variable_the_module_reads_is_documented() -> None:
     names = {a or b for a, b in read}
     # Read <=> documented: no hidden knob, no documented variable that does nothing.
     assert names == {v.name for v in ENV_VARS}, names ^ {v.name for v in ENV_VARS}
+
+
+def test_drain_seconds() -> None:
+    assert load_settings({}).drain_s == 20.0
+    assert load_settings({"HETERO_GATEWAY_DRAIN_S": "2.5"}).drain_s == 2.5
+    with pytest.raises(ConfigError, match="HETERO_GATEWAY_DRAIN_S"):
+        load_settings({"HETERO_GATEWAY_DRAIN_S": "-1"})

@@ -96,7 +96,7 @@ async def offer(url: str, rate: float, seconds: float, load: Load) -> None:
 
 async def test_fail_open_serves_every_request_while_the_plugin_is_down(fleet: LocalFleet) -> None:
     load = Load()
-    traffic = asyncio.create_task(offer(fleet.envoy_url, rate=20.0, seconds=9.0, load=load))
+    traffic = asyncio.create_task(offer(fleet.envoy_url, rate=20.0, seconds=13.0, load=load))
     await asyncio.sleep(3.0)
     stopped_at = time.monotonic()
     await fleet.stop_process(fleet.plugin)

@@ -145,6 +145,7 @@ def build_app(
     *,
     shared: SharedStateView | None = None,
     gpu_label: str = DEFAULT_GPU_LABEL,
+    draining: Callable[[], bool] = lambda: False,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label))
@@ -158,6 +159,8 @@ def build_app(
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
+        if draining():
+            return web.json_response({"status": "draining"}, status=503)
         if pool.loaded:
             return web.json_response({"status": "ready", "pods": len(pool.pods())})
         return web.json_response({"status": "waiting for pod discovery"}, status=503)

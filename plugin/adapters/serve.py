@@ -128,6 +128,7 @@ class Gateway:
         self._server: grpc.aio.Server | None = None
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.draining = False
 
     def _on_pods(self, pods: list[Pod]) -> None:
         first = not self.pool.loaded
@@ -173,6 +174,7 @@ class Gateway:
             self.scraper,
             shared=self.shared,
             gpu_label=self.settings.gpu_label,
+            draining=lambda: self.draining,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -195,6 +197,16 @@ class Gateway:
         )
 
     async def stop(self) -> None:
+        """Drain, then close: refuse new streams and report not ready at once, let in-flight
+        requests finish (up to `drain_s`; their leases release and their tokens are counted,
+        and shared state keeps publishing meanwhile), then stop the background tasks."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            if self.pool.loaded and any(self.pool.inflight(p.key) for p in self.pool.pods()):
+                log.info("draining in-flight requests for up to %.0f s", self.settings.drain_s)
+            await self._server.stop(grace=self.settings.drain_s)
+            self._server = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -202,8 +214,6 @@ class Gateway:
                 await task
         if self.shared is not None:
             await self.shared.close()
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
         if self._runner is not None:
             await self._runner.cleanup()
 

@@ -1,0 +1,150 @@
+"""Shutting down: a gateway that is told to stop lets its in-flight requests finish (a rolling
+update must not cut streaming answers), refuses new ones, and never leaks an in-flight count."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+import pytest_asyncio
+import yaml
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from plugin.adapters.discovery import StaticFileSource
+from plugin.adapters.serve import Gateway
+from plugin.config import load_settings
+
+WAIT_S = 10.0  # bound of every wait; nothing here should take close to it
+
+
+def _headers(headers: dict[str, str]) -> base_pb2.HeaderMap:
+    return base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+    )
+
+
+REQUEST_HEADERS = pb.ProcessingRequest(
+    request_headers=pb.HttpHeaders(
+        headers=_headers({":path": "/v1/chat/completions", ":method": "POST", ":authority": "g"})
+    )
+)
+REQUEST_BODY = pb.ProcessingRequest(
+    request_body=pb.HttpBody(
+        body=orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+        end_of_stream=True,
+    )
+)
+RESPONSE_HEADERS = pb.ProcessingRequest(
+    response_headers=pb.HttpHeaders(
+        headers=_headers({":status": "200", "content-type": "application/json"})
+    )
+)
+RESPONSE_BODY = pb.ProcessingRequest(
+    response_body=pb.HttpBody(
+        body=orjson.dumps({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 7}}),
+        end_of_stream=True,
+    )
+)
+KEY = "ns/a"
+
+
+@pytest_asyncio.fixture
+async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
+    pods = tmp_path / "pods.yaml"
+    doc = {
+        "models": {
+            "m": {"pods": [{"name": "a", "namespace": "ns", "address": "127.0.0.1", "port": 9}]}
+        }
+    }
+    pods.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    env = {
+        "HETERO_GATEWAY_DRAIN_S": str(request.param),
+        "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "60000",
+    }
+    settings = dataclasses.replace(load_settings(env), grpc_port=0, http_port=0)
+    gw = Gateway(settings, StaticFileSource(str(pods), poll_s=30.0), "127.0.0.1")
+    await gw.start()
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not gw.pool.loaded:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        yield gw
+    finally:
+        await gw.stop()
+
+
+async def _routed_call(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
+    """A request that has been routed and now waits for its response: it holds a lease."""
+    call = stub.Process()
+    for message in (REQUEST_HEADERS, REQUEST_BODY):
+        await call.write(message)
+        reply = await call.read()
+        assert isinstance(reply, pb.ProcessingResponse)
+    return call
+
+
+async def _until(check: Callable[[], bool], what: str) -> None:
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not check():  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("gateway", [20.0], indirect=True)
+async def test_stop_drains_in_flight_requests_and_refuses_new_ones(gateway: Gateway) -> None:
+    url = f"http://127.0.0.1:{gateway.http_port}"
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel,
+        aiohttp.ClientSession() as http,
+    ):
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        serving = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert serving.status == health_pb2.HealthCheckResponse.SERVING
+        call = await _routed_call(stub)
+        assert gateway.pool.inflight(KEY) == 1
+
+        stopping = asyncio.ensure_future(gateway.stop())
+        await _until(lambda: gateway.draining, "draining")
+        async with http.get(f"{url}/readyz") as resp:
+            assert resp.status == 503
+            assert (await resp.json())["status"] == "draining"
+        # A new stream is refused (Envoy fails it open or closed by its own configuration).
+        with pytest.raises(grpc.aio.AioRpcError):
+            fresh = stub.Process()
+            await fresh.write(REQUEST_HEADERS)
+            await fresh.read()
+        assert not stopping.done()
+
+        # The request in flight finishes normally and its tokens are counted.
+        for message in (RESPONSE_HEADERS, RESPONSE_BODY):
+            await call.write(message)
+            assert isinstance(await call.read(), pb.ProcessingResponse)
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        async with asyncio.timeout(WAIT_S):
+            await stopping  # long before the 20 s drain limit: nothing is left to wait for
+    assert gateway.pool.inflight(KEY) == 0
+    assert gateway.pool.output_tokens_total(KEY) == 7
+
+
+@pytest.mark.parametrize("gateway", [0.3], indirect=True)
+async def test_drain_limit_closes_what_is_left_without_leaking_a_count(gateway: Gateway) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+        call = await _routed_call(pb_grpc.ExternalProcessorStub(channel))
+        assert gateway.pool.inflight(KEY) == 1
+        async with asyncio.timeout(WAIT_S):
+            await gateway.stop()  # the response never comes: cut at the drain limit
+        assert await call.code() != grpc.StatusCode.OK
+    await _until(lambda: gateway.pool.inflight(KEY) == 0, "lease released")
