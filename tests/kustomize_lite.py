@@ -4,6 +4,9 @@ It supports exactly what `deploy/` uses and refuses the rest, so a kustomization
 feature this file does not know fails loudly instead of rendering something different:
 
 - `resources`: YAML files (several documents each) and directories holding a kustomization;
+- `components`: directories holding a `kind: Component` kustomization, applied after the
+  resources: its own resources join the objects gathered so far and its patches, images and
+  labels apply to all of them (before the including kustomization's own);
 - `patches`: JSON 6902 operation lists (`add`, `replace`, `remove`), inline or from a file,
   selected by `target` (group, version, kind, name, namespace);
 - `images`: `name` with `newName`, `newTag` and/or `digest`, applied to `containers` and
@@ -25,7 +28,7 @@ import yaml
 
 Obj = dict[str, Any]
 
-_KEYS = {"apiVersion", "kind", "resources", "patches", "images", "labels"}
+_KEYS = {"apiVersion", "kind", "resources", "components", "patches", "images", "labels"}
 _PATCH_KEYS = {"target", "patch", "path"}
 _TARGET_KEYS = {"group", "version", "kind", "name", "namespace"}
 _IMAGE_KEYS = {"name", "newName", "newTag", "digest"}
@@ -38,6 +41,11 @@ class KustomizeError(ValueError):
 
 def build(directory: Path) -> list[Obj]:
     """Render the kustomization in `directory` into a list of objects."""
+    return _build(directory, [], component=False)
+
+
+def _build(directory: Path, objects: list[Obj], *, component: bool) -> list[Obj]:
+    """Add `directory`'s resources to `objects` (empty unless it is a component) and transform."""
     kfile = directory / "kustomization.yaml"
     if not kfile.is_file():
         raise KustomizeError(f"{directory}: no kustomization.yaml")
@@ -45,18 +53,25 @@ def build(directory: Path) -> list[Obj]:
     unknown = set(spec) - _KEYS
     if unknown:
         raise KustomizeError(f"{kfile}: unsupported fields {sorted(unknown)}")
+    if (spec.get("kind") == "Component") != component:
+        expected = "a Component (listed in `components`)" if component else "not a Component"
+        raise KustomizeError(f"{kfile}: expected {expected}, got kind {spec.get('kind')!r}")
 
-    objects: list[Obj] = []
     for entry in spec.get("resources", []):
         path = directory / entry
         if path.is_dir():
-            objects.extend(build(path))
+            objects.extend(_build(path, [], component=False))
         elif path.is_file():
             docs = yaml.safe_load_all(path.read_text(encoding="utf-8"))
             objects.extend(doc for doc in docs if doc is not None)
         else:
             raise KustomizeError(f"{kfile}: resource {entry!r} does not exist")
     _check_unique(objects, kfile)
+    for entry in spec.get("components", []):
+        path = directory / entry
+        if not path.is_dir():
+            raise KustomizeError(f"{kfile}: component {entry!r} is not a directory")
+        objects = _build(path, objects, component=True)
 
     for patch in spec.get("patches", []):
         _apply_patch(objects, patch, directory)

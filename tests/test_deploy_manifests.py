@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -39,13 +41,16 @@ Obj = dict[str, Any]
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 CRD_DIR = REPO.parent / "shared" / "data" / "crds"
-OVERLAYS = ("original-dst", "override-host")
+OVERLAYS = ("original-dst", "override-host")  # the two ways Envoy follows the pick
+SHARED_STATE = "shared-state"  # original-dst + deploy/components/shared-state (Redis, 2 replicas)
+ALL_OVERLAYS = (*OVERLAYS, SHARED_STATE)
+SHARED_STATE_COMPONENT = DEPLOY / "components" / SHARED_STATE
 GATEWAY_GROUPS = ("gateway.envoyproxy.io", "gateway.networking.k8s.io")
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "GatewayClass"}
 PART_OF = ("app.kubernetes.io/part-of", "hetero-gateway")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # DESIGN.md section 4
-# Variables the manifests set that plugin.config does not read yet (Kubernetes discovery, Redis,
-# replica identity): designed for the engineers wiring them.
+# Variables the manifests may set away from plugin.config's defaults on purpose (Kubernetes
+# discovery, Redis, replica identity).
 DESIGNED_VARS = {
     "HETERO_GATEWAY_DISCOVERY",
     "HETERO_GATEWAY_K8S_NAMESPACE",
@@ -60,19 +65,23 @@ DESIGNED_VARS = {
 # --- rendering -----------------------------------------------------------------------------------
 
 
-@functools.cache
-def _kubectl_render(overlay: str) -> tuple[Obj, ...]:
+def kubectl_build(directory: Path) -> list[Obj]:
     kubectl = shutil.which("kubectl")
     assert kubectl is not None
     proc = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / "overlays" / overlay)],
+        [kubectl, "kustomize", str(directory)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert proc.returncode == 0, f"kubectl kustomize {overlay} failed:\n{proc.stderr}"
-    return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc is not None)
+    assert proc.returncode == 0, f"kubectl kustomize {directory} failed:\n{proc.stderr}"
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc is not None]
+
+
+@functools.cache
+def _kubectl_render(overlay: str) -> tuple[Obj, ...]:
+    return tuple(kubectl_build(DEPLOY / "overlays" / overlay))
 
 
 def render(overlay: str) -> list[Obj]:
@@ -216,7 +225,7 @@ def test_crds_for_every_gateway_kind_we_use_are_present() -> None:
     assert wanted <= kinds, f"missing CRDs: {sorted(wanted - kinds)}"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_lite_renderer_agrees_with_kubectl(overlay: str) -> None:
     if not shutil.which("kubectl"):
         pytest.skip("kubectl is not installed; the tests render with tests/kustomize_lite.py")
@@ -287,7 +296,75 @@ def test_lite_renderer_patches_images_and_labels(tmp_path: Path) -> None:
     assert "labels" not in dep["spec"]["template"].get("metadata", {})
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+_CM = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a, namespace: n}\ndata: {X: '1'}\n"
+_COMPONENT = (
+    "apiVersion: kustomize.config.k8s.io/v1alpha1\nkind: Component\nresources: [s.yaml]\n"
+    "patches:\n  - target: {kind: ConfigMap, name: a}\n    patch: |-\n"
+    "      - {op: replace, path: /data/X, value: '2'}\n"
+)
+_SERVICE = "apiVersion: v1\nkind: Service\nmetadata: {name: s, namespace: n}\n"
+
+
+def test_lite_renderer_applies_components_like_kubectl(tmp_path: Path) -> None:
+    _write_tree(
+        tmp_path,
+        {
+            "base/kustomization.yaml": "resources: [cm.yaml]\n",
+            "base/cm.yaml": _CM,
+            "comp/kustomization.yaml": _COMPONENT,
+            "comp/s.yaml": _SERVICE,
+            "ov/kustomization.yaml": (
+                "resources: [../base]\ncomponents: [../comp]\nlabels: [{pairs: {p: q}}]\n"
+            ),
+        },
+    )
+    cm, svc = build(tmp_path / "ov")
+    # The component patches what the overlay's resources brought and adds its own objects;
+    # the overlay's labels then reach both.
+    assert cm["data"] == {"X": "2"}
+    assert svc["kind"] == "Service"
+    assert cm["metadata"]["labels"] == svc["metadata"]["labels"] == {"p": "q"}
+    if shutil.which("kubectl"):
+        theirs = {resource_id(o): o for o in kubectl_build(tmp_path / "ov")}
+        assert theirs == {resource_id(o): o for o in (cm, svc)}
+
+
+@pytest.mark.parametrize(
+    ("overlay", "message"),
+    [
+        pytest.param("resources: [../comp]\n", "not a Component", id="component-as-resource"),
+        pytest.param(
+            "resources: [../base]\ncomponents: [../base]\n",
+            "expected a Component",
+            id="kustomization",
+        ),
+        pytest.param("components: [../cm.yaml]\n", "not a directory", id="file"),
+    ],
+)
+def test_lite_renderer_refuses_misused_components(
+    tmp_path: Path, overlay: str, message: str
+) -> None:
+    _write_tree(
+        tmp_path,
+        {
+            "cm.yaml": _CM,
+            "base/kustomization.yaml": "resources: [../cm.yaml]\n",
+            "comp/kustomization.yaml": _COMPONENT,
+            "comp/s.yaml": _SERVICE,
+            "ov/kustomization.yaml": overlay,
+        },
+    )
+    with pytest.raises(KustomizeError, match=message):
+        build(tmp_path / "ov")
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_objects_are_well_formed(overlay: str) -> None:
     objs = render(overlay)
     ids = [resource_id(o) for o in objs]
@@ -304,7 +381,7 @@ def test_objects_are_well_formed(overlay: str) -> None:
         assert meta.get("labels", {}).get(PART_OF[0]) == PART_OF[1], label
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_gateway_objects_validate_against_crd_schemas(overlay: str) -> None:
     checked = [o for o in render(overlay) if group_of(o) in GATEWAY_GROUPS]
     expected = {
@@ -314,7 +391,7 @@ def test_gateway_objects_validate_against_crd_schemas(overlay: str) -> None:
         "EnvoyExtensionPolicy",
         "ClientTrafficPolicy",
         "BackendTrafficPolicy",
-    } | ({"EnvoyPatchPolicy"} if overlay == "original-dst" else set())
+    } | ({"EnvoyPatchPolicy"} if overlay != "override-host" else set())
     assert {o["kind"] for o in checked} == expected
     problems = {f"{o['kind']}/{o['metadata']['name']}": schema_errors(o) for o in checked}
     assert problems == {key: [] for key in problems}, problems
@@ -488,7 +565,7 @@ _CEL_RULES: list[tuple[str, str, Callable[[Obj], bool]]] = [
 ]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 @pytest.mark.parametrize(
     ("kind", "message", "rule"), _CEL_RULES, ids=[f"{k}:{m[:40]}" for k, m, _ in _CEL_RULES]
 )
@@ -523,7 +600,7 @@ def _selects(service: Obj, pod_labels: dict[str, str]) -> bool:
     return all(pod_labels.get(k) == v for k, v in service["spec"]["selector"].items())
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_extension_policy_wires_the_plugin(overlay: str) -> None:
     objs = render(overlay)
     eep = one(objs, "EnvoyExtensionPolicy")
@@ -705,7 +782,7 @@ def test_fail_closed_variant_has_no_endpoint_override() -> None:
     assert "loadBalancer" not in btp["spec"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_buffer_limits_equal_the_plugin_message_limit(overlay: str) -> None:
     objs = render(overlay)
     limit = DEFAULT_MAX_MESSAGE_BYTES
@@ -783,7 +860,7 @@ def test_probe_check_catches_mistakes(mutate: Callable[[Obj], None]) -> None:
         check_plugin_probes_and_resources(container)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
     objs = render(overlay)
     defaults = Settings()
@@ -862,6 +939,268 @@ def test_sample_model_spans_two_gpu_types_behind_one_service() -> None:
         assert _container_port(container, "http") == int(labels["model.aibrix.ai/port"])
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+# --- shared state: Redis for several plugin replicas --------------------------------------------
+
+REDIS = "hetero-gateway-redis"
+
+
+def _pod_labels(dep: Obj) -> dict[str, str]:
+    return dep["spec"]["template"]["metadata"]["labels"]
+
+
+def _redis_args(container: Obj) -> dict[str, str]:
+    """`redis-server`'s options (`--name value`) from the container's `sh -c` command."""
+    shell, flag, script = container["command"]
+    assert (shell, flag) == ("sh", "-c")
+    words = shlex.split(script)
+    assert words[:2] == ["exec", "redis-server"], words
+    options = words[2:]
+    args = {}
+    while options and options[0].startswith("--"):
+        args[options[0]] = options[1]
+        options = options[2:]
+    # What is left passes the password only when the Secret holds one.
+    assert options == ["${REDIS_PASSWORD:+--requirepass", "$REDIS_PASSWORD}"], options
+    return args
+
+
+def _service_links(service: Obj) -> set[str]:
+    """The variables Kubernetes puts in every pod of the namespace for `service`."""
+    prefix = service["metadata"]["name"].upper().replace("-", "_")
+    names = {f"{prefix}_SERVICE_HOST", f"{prefix}_SERVICE_PORT", f"{prefix}_PORT"}
+    for port in service["spec"]["ports"]:
+        if "name" in port:
+            names.add(f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}")
+        base = f"{prefix}_PORT_{port['port']}_{port.get('protocol', 'TCP')}"
+        names |= {base, f"{base}_PROTO", f"{base}_PORT", f"{base}_ADDR"}
+    return names
+
+
+def check_shared_state(objs: list[Obj]) -> None:
+    """Redis in the namespace, the plugin pointed at it, several plugin replicas."""
+    plugin = one(objs, "Deployment", "hetero-gateway")
+    assert plugin["spec"]["replicas"] >= 2
+    redis_dep = one(objs, "Deployment", REDIS)
+    # The Redis pods are in exactly one Service; it selects nothing else.
+    services = [s for s in find(objs, "Service") if _selects(s, _pod_labels(redis_dep))]
+    assert len(services) == 1, [s["metadata"]["name"] for s in services]
+    service = services[0]
+    deployments = find(objs, "Deployment")
+    assert [d["metadata"]["name"] for d in deployments if _selects(service, _pod_labels(d))] == [
+        REDIS
+    ]
+    assert redis_dep["spec"]["selector"]["matchLabels"].items() <= _pod_labels(redis_dep).items()
+    ns = service["metadata"]["namespace"]
+    assert redis_dep["metadata"]["namespace"] == plugin["metadata"]["namespace"] == ns
+
+    # The plugin resolves REDIS_HOST in-cluster: `<service>.<namespace>.svc`, on the Service port.
+    container = _plugin_container(objs)
+    [source] = container["envFrom"]
+    env = one(objs, "ConfigMap", source["configMapRef"]["name"])["data"]
+    settings = load_settings({**env, "POD_NAME": "p-0", "POD_NAMESPACE": ns})
+    assert settings.redis is not None
+    assert settings.redis.host == f"{service['metadata']['name']}.{ns}.svc"
+    assert settings.redis.gateway_id == f"{ns}/p-0"
+    [port] = service["spec"]["ports"]
+    assert settings.redis.port == port["port"]
+
+    # Redis listens where the Service sends, answers its probes there and persists nothing.
+    pod = redis_dep["spec"]["template"]["spec"]
+    [redis] = pod["containers"]
+    assert redis["image"] == "redis:7-alpine"
+    target = port["targetPort"]
+    listen = _container_port(redis, target) if isinstance(target, str) else target
+    args = _redis_args(redis)
+    assert int(args["--port"]) == listen == settings.redis.port
+    assert args.get("--save") == "" and args.get("--appendonly") == "no", args
+    probe = redis["readinessProbe"]
+    if "exec" in probe:
+        assert probe["exec"]["command"] == [
+            "sh",
+            "-c",
+            f"redis-cli -p {listen} ping | grep -qx PONG",
+        ]
+    else:
+        assert probe["tcpSocket"]["port"] in (listen, target)
+    # One instance, never two at once (the replicas would split between them).
+    assert redis_dep["spec"]["replicas"] == 1
+    assert redis_dep["spec"]["strategy"] == {"type": "Recreate"}
+
+    # Non-root, small, and the password from the Secret the plugin reads.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert redis["securityContext"]["allowPrivilegeEscalation"] is False
+    requests = redis["resources"]["requests"]
+    assert requests.get("cpu") and requests.get("memory")
+    plugin_secret = {e["name"]: e for e in container["env"]}["REDIS_PASSWORD"]["valueFrom"]
+    redis_env = {e["name"]: e["valueFrom"] for e in redis["env"]}
+    assert redis_env["REDIS_PASSWORD"] == plugin_secret
+    assert redis_env["REDISCLI_AUTH"] == plugin_secret
+    assert plugin_secret["secretKeyRef"]["optional"] is True
+
+    # Only the plugin's pods may connect, on the Redis port.
+    policy = one(objs, "NetworkPolicy", REDIS)
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"] == redis_dep["spec"]["selector"]["matchLabels"]
+    )
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    [peer] = rule["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= _pod_labels(plugin).items()
+    assert rule["ports"] == [{"protocol": "TCP", "port": target}]
+
+    # No Service's link variables (`<NAME>_PORT=tcp://...`) shadow one the plugin reads.
+    known = {v.name for v in ENV_VARS} | DESIGNED_VARS
+    for svc in find(objs, "Service"):
+        assert not _service_links(svc) & known, svc["metadata"]["name"]
+
+
+def test_shared_state_overlay_runs_replicas_against_one_redis() -> None:
+    check_shared_state(render(SHARED_STATE))
+
+
+def test_shared_state_overlay_changes_only_redis_things() -> None:
+    shared = {resource_id(o): o for o in render(SHARED_STATE)}
+    plain = {resource_id(o): o for o in render("original-dst")}
+    added = {(kind, name) for _, kind, _, name in set(shared) - set(plain)}
+    assert added == {("Deployment", REDIS), ("Service", REDIS), ("NetworkPolicy", REDIS)}
+    assert set(plain) <= set(shared)
+    config = next(rid for rid in plain if rid[1] == "ConfigMap")
+    plugin = next(rid for rid in plain if rid[1:4:2] == ("Deployment", "hetero-gateway"))
+    assert plain[config]["data"]["REDIS_HOST"] == ""  # the plain variants keep state local
+    for rid, obj in plain.items():
+        other = copy.deepcopy(shared[rid])
+        if rid == config:
+            other["data"]["REDIS_HOST"] = ""
+        if rid == plugin:
+            other["spec"]["replicas"] = obj["spec"]["replicas"]
+        assert other == obj, rid
+
+
+def _edit(
+    kind: str, name: str, path: str, change: Callable[[Any], Any]
+) -> Callable[[list[Obj]], None]:
+    """Replace the value at `path` (dots, list indexes as numbers) of one object with change(it)."""
+
+    def mutate(objs: list[Obj]) -> None:
+        *parents, last = path.split(".")
+        node: Any = one(objs, kind, name)
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key: Any = int(last) if isinstance(node, list) else last
+        node[key] = change(node[key])
+
+    return mutate
+
+
+def _both(*changes: Callable[[list[Obj]], None]) -> Callable[[list[Obj]], None]:
+    def mutate(objs: list[Obj]) -> None:
+        for change in changes:
+            change(objs)
+
+    return mutate
+
+
+_REDIS_SCRIPT = "spec.template.spec.containers.0.command.2"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(
+            _edit("ConfigMap", "hetero-gateway-env", "data.REDIS_HOST", lambda _: "redis"),
+            id="short-host",
+        ),
+        pytest.param(
+            _edit("ConfigMap", "hetero-gateway-env", "data.REDIS_HOST", lambda _: ""),
+            id="no-host",
+        ),
+        pytest.param(
+            _edit("ConfigMap", "hetero-gateway-env", "data.REDIS_PORT", lambda _: "6380"),
+            id="wrong-port",
+        ),
+        pytest.param(
+            _edit("Deployment", "hetero-gateway", "spec.replicas", lambda _: 1), id="one-replica"
+        ),
+        pytest.param(
+            _edit(
+                "Service",
+                REDIS,
+                "spec.selector",
+                lambda _: {"app.kubernetes.io/name": "hetero-gateway"},
+            ),
+            id="service-selects-plugin",
+        ),
+        pytest.param(
+            _edit("Deployment", REDIS, _REDIS_SCRIPT, lambda s: s.replace('--save "" ', "")),
+            id="snapshots",
+        ),
+        pytest.param(
+            _edit(
+                "Deployment",
+                REDIS,
+                _REDIS_SCRIPT,
+                lambda s: s.replace("--port 6379", "--port 6380"),
+            ),
+            id="listens-elsewhere",
+        ),
+        pytest.param(
+            _edit("Deployment", REDIS, "spec.template.spec.securityContext.runAsUser", lambda _: 0),
+            id="root",
+        ),
+        pytest.param(
+            _edit(
+                "NetworkPolicy",
+                REDIS,
+                "spec.ingress.0.from.0.podSelector.matchLabels",
+                lambda _: {"a": "b"},
+            ),
+            id="policy-blocks-plugin",
+        ),
+        pytest.param(
+            _both(
+                _edit("Service", REDIS, "metadata.name", lambda _: "redis"),
+                _edit(
+                    "ConfigMap",
+                    "hetero-gateway-env",
+                    "data.REDIS_HOST",
+                    lambda _: "redis.hetero-gateway.svc",
+                ),
+            ),
+            id="service-named-redis",
+        ),
+    ],
+)
+def test_shared_state_check_catches_mistakes(mutate: Callable[[list[Obj]], None]) -> None:
+    objs = render(SHARED_STATE)
+    check_shared_state(objs)
+    mutate(objs)
+    with pytest.raises(AssertionError):
+        check_shared_state(objs)
+
+
+def test_shared_state_component_also_fits_override_host(tmp_path: Path) -> None:
+    """The component adds to either variant; here to override-host, which stays fail-open."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+
+    def rel(path: Path) -> str:
+        return os.path.relpath(path, overlay)
+
+    (overlay / "kustomization.yaml").write_text(
+        f"resources: [{rel(DEPLOY / 'overlays' / 'override-host')}]\n"
+        f"components: [{rel(SHARED_STATE_COMPONENT)}]\n"
+    )
+    objs = build(overlay)
+    if shutil.which("kubectl"):
+        assert {resource_id(o): o for o in kubectl_build(overlay)} == {
+            resource_id(o): o for o in objs
+        }
+    check_shared_state(objs)
+    assert one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] is True
+    assert find(objs, "EnvoyPatchPolicy") == []
 
 
 # --- Dockerfile ----------------------------------------------------------------------------------
