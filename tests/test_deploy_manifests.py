@@ -888,6 +888,13 @@ def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
     assert load_settings(env) == load_settings({k: v for k, v in env.items() if k in DESIGNED_VARS})
     assert int(env["HETERO_GATEWAY_GRPC_PORT"]) == defaults.grpc_port
     assert env["HETERO_GATEWAY_DISCOVERY"] == "kubernetes"
+    # A rolling update must not cut answers in flight: the preStop pause plus the plugin's
+    # drain must end before Kubernetes kills the pod.
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    drain_s = load_settings(env).drain_s
+    assert drain_s > 0
+    assert float(pre_stop[1]) + drain_s < pod["terminationGracePeriodSeconds"]
     direct = {e["name"]: e["valueFrom"] for e in container["env"]}
     assert direct["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert direct["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
