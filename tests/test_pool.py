@@ -194,3 +194,29 @@ def test_a_removed_pod_forgets_its_batch_cap() -> None:
     pool.set_pods([])
     pool.set_pods([a])
     assert pool.saturation(a.key) is None
+
+
+def test_a_batch_cap_lasts_while_the_engine_queues_at_it_then_expires() -> None:
+    a = pod("a")
+    pool = PodPool(CapacityEstimator(), 3.0, saturation_ttl_s=30.0)
+    pool.set_pods([a])
+    _scrape(pool, a, 32, 5, 0.0)
+    _scrape(pool, a, 32, 3, 1.0)
+    assert pool.saturation(a.key, 1.0) == 32
+    _scrape(pool, a, 32, 2, 20.0)  # queued at the cap again: confirmed
+    assert pool.saturation(a.key, 45.0) == 32
+    for t in (46.0, 47.0, 48.0, 49.0, 50.0, 51.0):
+        _scrape(pool, a, 32, 0, t)  # full, no queue: neither proof nor disproof
+    (candidate,) = pool.candidates("m", 51.0)
+    assert candidate.saturation is None  # 31 s after the last confirmation: learn it again
+    _scrape(pool, a, 32, 4, 52.0)
+    _scrape(pool, a, 32, 4, 53.0)
+    assert pool.saturation(a.key, 53.0) == 32  # relearned at the new peak
+
+
+def test_an_infinite_running_count_is_ignored() -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    _scrape(pool, a, float("inf"), 5, 0.0)
+    _scrape(pool, a, float("inf"), 5, 1.0)
+    assert pool.saturation(a.key) is None

@@ -173,3 +173,12 @@ def test_load_balance_avoids_a_full_fast_replica_where_the_reference_queues() ->
     assert fixed["ttft_p99"] < reference["ttft_p99"]
     assert fixed["attainment"] > reference["attainment"]
     assert fixed["replicas"]["a100-0"]["share"] < reference["replicas"]["a100-0"]["share"]
+
+
+def test_an_unused_replica_makes_the_utilisation_spread_infinite() -> None:
+    scn = fleet_scenario("a100,v100")
+    oracle = run_at(scn, "capacity-weighted", 5.0, {"a100-0": 1.0, "v100-0": 0.0})
+    summary = summarize(oracle, scn.slo)
+    assert summary["replicas"]["v100-0"]["share"] == 0
+    assert summary["unused_replicas"] == 1
+    assert summary["utilization_spread"] == math.inf

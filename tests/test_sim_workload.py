@@ -10,7 +10,7 @@ import pytest
 
 from plugin.errors import ConfigError
 from plugin.sim.traces import load_trace, parse_workload
-from plugin.sim.workload import CHAT, Arrivals, MixedLengths, TraceLengths
+from plugin.sim.workload import CHAT, Arrivals, MixedLengths, TraceLengths, generate
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"
 
@@ -77,3 +77,13 @@ def test_a_missing_or_malformed_trace_is_a_config_error(tmp_path: Path) -> None:
     bad.write_text("time,prompt\n1,2\n")
     with pytest.raises(ConfigError, match="expected columns"):
         load_trace(bad, "x")
+
+
+def test_a_request_keeps_its_lengths_and_shape_of_arrival_at_every_rate() -> None:
+    # Bisection over rates must compare like with like: the k-th request is the same request.
+    low = generate(CHAT, Arrivals("gamma", 2.0), 4.0, 500, random.Random(9))
+    high = generate(CHAT, Arrivals("gamma", 2.0), 8.0, 900, random.Random(9))
+    assert [(r.prompt_tokens, r.output_tokens) for r in low] == [
+        (r.prompt_tokens, r.output_tokens) for r in high[:500]
+    ]
+    assert all(h.arrival * 2 == pytest.approx(lo.arrival) for lo, h in zip(low, high, strict=False))

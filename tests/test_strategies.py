@@ -233,3 +233,24 @@ def test_reference_load_balance_ignores_batch_caps() -> None:
         cand("l20", running=40, capacity=1000),
     ]
     assert reference.pick(cands, REQ, random.Random(0)).pod.name == "a100"
+
+
+def test_full_batch_rule_does_not_override_the_kv_guardrail() -> None:
+    # The only replica with room is nearly out of KV cache: the guardrail wins, and the full
+    # replica with healthy KV takes the request, as in the reference algorithm.
+    cands = [
+        cand("full", running=32, capacity=4000, kv_usage=0.30, saturation=32),
+        cand("kv-starved", running=3, capacity=1000, kv_usage=0.97),
+    ]
+    assert lb().pick(cands, REQ, random.Random(0)).pod.name == "full"  # type: ignore[attr-defined]
+
+
+def test_round_robin_keeps_a_turn_per_model() -> None:
+    strategy = build_strategies(StrategyParams())["round-robin"]
+    a = [cand("a0"), cand("a1")]
+    b = [cand("b0"), cand("b1")]
+    picks = []
+    for _ in range(4):
+        picks.append(strategy.pick(a, RequestInfo(model="a"), random.Random(0)).pod.name)
+        picks.append(strategy.pick(b, RequestInfo(model="b"), random.Random(0)).pod.name)
+    assert picks == ["a0", "b0", "a1", "b1", "a0", "b0", "a1", "b1"]

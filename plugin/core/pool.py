@@ -18,6 +18,7 @@ Several gateways (shared state): a sync loop outside the core feeds two things i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +98,7 @@ class PodPool:
         "_remote",
         "_routed",
         "_saturation",
+        "_saturation_ttl_s",
         "_shared_seen",
         "_shared_tokens",
         "_unpublished",
@@ -108,8 +110,10 @@ class PodPool:
         capacity: CapacityEstimator,
         metrics_max_age_s: float = 3.0,
         ejection: EjectionPolicy | None = None,
+        saturation_ttl_s: float = 30.0,
     ) -> None:
         self._capacity = capacity
+        self._saturation_ttl_s = saturation_ttl_s
         self._ejection = ejection or EjectionPolicy()
         self._health: dict[str, _Health] = {}
         self._metrics_max_age_s = metrics_max_age_s
@@ -119,7 +123,7 @@ class PodPool:
         self._inflight: dict[str, int] = {}
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
-        self._saturation: dict[str, int] = {}
+        self._saturation: dict[str, tuple[int, float]] = {}  # key -> (cap, last confirmed)
         self._peak_running: dict[str, float] = {}
         self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
@@ -190,7 +194,7 @@ class PodPool:
             waiting,
             kv,
             self._capacity.estimate(key),
-            self._saturation.get(key),
+            self._live_saturation(key, now),
         )
 
     def acquire(self, pod: Pod) -> Lease:
@@ -257,10 +261,10 @@ class PodPool:
             return
         previous = self._metrics.get(key)
         self._metrics[key] = _Scraped(metrics, now)
-        self._learn_saturation(key, metrics, None if previous is None else previous.metrics)
+        self._learn_saturation(key, metrics, None if previous is None else previous.metrics, now)
 
     def _learn_saturation(
-        self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None
+        self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None, now: float
     ) -> None:
         """An engine at its batch cap keeps a queue while running the most it has ever run:
         that number is its cap. Running more without a queue raises it.
@@ -268,23 +272,41 @@ class PodPool:
         The queue must show in two scrapes in a row at the same running count, and that count
         must be the engine's peak. A request that just arrived waits for the next step, and a
         burst of long prompts waits for the step's token budget at whatever count is running;
-        neither is a cap.
+        neither is a cap. A burst can still look like one early in a pod's life, while its peak
+        is low, and a learned cap stops the traffic that would prove it wrong: so a cap lasts
+        `saturation_ttl_s` after the engine last queued at it, then it must be learned again.
         """
         running, waiting = metrics.running, metrics.waiting
-        if running is None or waiting is None or not running >= 1:  # also rejects NaN
+        if running is None or waiting is None or not 1 <= running < math.inf:  # NaN, inf
             return
+        entry = self._saturation.get(key)
+        if entry is not None and now - entry[1] > self._saturation_ttl_s:
+            del self._saturation[key]
+            self._peak_running[key] = running  # a new peak, from here on, makes a new cap
+            entry = None
         peak = self._peak_running.get(key, 0.0)
         if running > peak:
             self._peak_running[key] = peak = running
-        known = self._saturation.get(key)
+        queued = waiting >= 1
+        if entry is not None:
+            cap = entry[0]
+            if running > cap or (queued and running >= cap):
+                self._saturation[key] = (max(cap, int(running)), now)  # raised or confirmed
+            return
         held = (
             previous is not None
             and (previous.waiting or 0.0) >= 1
             and previous.running == running
             and running >= peak
         )
-        if (waiting >= 1 and held) or (known is not None and running > known):
-            self._saturation[key] = int(running)
+        if queued and held:
+            self._saturation[key] = (int(running), now)
+
+    def _live_saturation(self, key: str, now: float) -> int | None:
+        entry = self._saturation.get(key)
+        if entry is None or now - entry[1] > self._saturation_ttl_s:
+            return None
+        return entry[0]
 
     def refresh_capacity(self, now: float) -> None:
         self._capacity.refresh(now)
@@ -353,8 +375,12 @@ class PodPool:
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
 
-    def saturation(self, key: str) -> int | None:
-        return self._saturation.get(key)
+    def saturation(self, key: str, now: float | None = None) -> int | None:
+        """The learned batch cap; with `now`, only while it is still live."""
+        if now is not None:
+            return self._live_saturation(key, now)
+        entry = self._saturation.get(key)
+        return None if entry is None else entry[0]
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """JSON-ready view for /debug/pods and tests."""
@@ -373,7 +399,7 @@ class PodPool:
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),
-                "saturation": self.saturation(key),
+                "saturation": self.saturation(key, now),
                 "ejected": self.ejected(key, now),
                 "engine": None
                 if scraped is None

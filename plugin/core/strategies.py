@@ -121,15 +121,15 @@ class RoundRobin:
 
     def __init__(self, params: StrategyParams) -> None:
         self.params = params
-        self._next = 0
+        self._next: dict[str, int] = {}  # per model: models must not share one turn
 
     def pick(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
     ) -> Candidate:
         _require(candidates)
-        chosen = candidates[self._next % len(candidates)]
-        self._next += 1
-        return chosen
+        turn = self._next.get(request.model, 0)
+        self._next[request.model] = turn + 1
+        return candidates[turn % len(candidates)]
 
 
 @register_strategy("power-of-two")
@@ -196,14 +196,19 @@ def load_balance_scores(candidates: Sequence[Candidate], params: StrategyParams)
     return scores
 
 
-def with_room(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-    """Candidates whose engine batch has room for one more, or all of them if none has.
+def with_room(
+    candidates: Sequence[Candidate], kv_critical_free: float = 0.0
+) -> Sequence[Candidate]:
+    """Candidates whose engine batch has room for one more, or all of them if none has (or if
+    every one with room is below the KV guardrail: the guardrail decides first).
 
     A request sent to a replica at its batch cap waits in the engine queue, however fast the
     replica is: the time per token the score balances hides that wait, which lands on TTFT.
     """
     room = [c for c in candidates if c.saturation is None or c.running < c.saturation]
-    return room if room else candidates
+    if not room or all(kv_free(c.kv_usage) < kv_critical_free for c in room):
+        return candidates
+    return room
 
 
 @register_strategy("load-balance")
@@ -223,7 +228,7 @@ class LoadBalance:
     ) -> Candidate:
         _require(candidates)
         if self.params.avoid_full_batches:
-            candidates = with_room(candidates)
+            candidates = with_room(candidates, self.params.kv_critical_free)
         scores = load_balance_scores(candidates, self.params)
         frees = [kv_free(c.kv_usage) for c in candidates]
         if all(math.isinf(s) for s in scores):

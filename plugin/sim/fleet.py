@@ -138,7 +138,7 @@ def simulate(
     )
     pool.set_pods(pods)
     now = 0.0
-    rng = random.Random(seed)
+    rng = random.Random(f"router-{seed}")  # not the workload's stream
     router = Router(pool, {strategy.name: strategy}, strategy.name, rng, lambda: now)
     info = RequestInfo(MODEL, stream=True, include_usage=True)
 
@@ -213,14 +213,16 @@ def simulate(
                 snap = engine.snapshot()
                 metrics = EngineMetrics(float(snap.running), float(snap.waiting), snap.kv_usage)
                 if gw.metrics_delay_s > 0:
-                    push(now + gw.metrics_delay_s, _DELIVER, (pods[i].key, metrics, now))
+                    push(now + gw.metrics_delay_s, _DELIVER, (pods[i].key, metrics))
                 else:
                     pool.update_metrics(pods[i].key, metrics, now)
             pool.refresh_capacity(now)
             push(now + gw.scrape_interval_s, _SCRAPE, None)
         elif kind == _DELIVER:
-            key, metrics, sampled_at = data
-            pool.update_metrics(key, metrics, sampled_at)
+            key, metrics = data
+            # Stamped on arrival, as the plugin's scraper does: a late scrape is stale data,
+            # not an old one.
+            pool.update_metrics(key, metrics, now)
         else:
             marks.append([(e.generated_tokens, e.busy_s, e.preemptions) for e in engines])
 

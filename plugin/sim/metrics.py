@@ -44,8 +44,12 @@ def attainment(result: RunResult, slo: Slo) -> float:
 
 
 def _spread(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v) and v > 0]
-    return max(finite) / min(finite) if len(finite) >= 2 else math.nan
+    """max / min of the finite values; inf when one is 0 (an unused replica); NaN for < 2."""
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return math.nan
+    low = min(finite)
+    return max(finite) / low if low > 0 else math.inf
 
 
 def summarize(result: RunResult, slo: Slo) -> dict[str, Any]:
@@ -97,7 +101,9 @@ def summarize(result: RunResult, slo: Slo) -> dict[str, Any]:
         "e2e_per_token_p99": percentile([r.e2e_per_token for r in done], 99),
         "output_tokens_per_s": delivered,
         "token_ceiling_per_s": ceiling,
+        # Over the replicas that served requests; `unused_replicas` counts the others.
         "tpot_p50_ratio": _spread([v["tpot_p50"] for v in replicas.values()]),
+        "unused_replicas": sum(1 for v in replicas.values() if v["share"] == 0),
         "utilization_spread": _spread([v["utilization"] for v in replicas.values()]),
         "replicas": replicas,
     }

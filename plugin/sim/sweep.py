@@ -218,6 +218,7 @@ def study(
             "e2e_per_token_p99",
             "output_tokens_per_s",
             "utilization_spread",
+            "unused_replicas",
             "dropped",
             "requests",
         ):

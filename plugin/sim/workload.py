@@ -142,14 +142,16 @@ class Arrivals:
             raise ValueError("rate must be positive")
         if self.kind == "trace":
             return self._trace_times(rate, n, rng)
+        # Unit-rate gaps scaled by the rate: the same seed gives the same pattern at every rate,
+        # only compressed, which keeps a bisection over rates comparing like with like.
         out: list[float] = []
         t = 0.0
         shape = 1.0 / (self.cv * self.cv)
         for _ in range(n):
             if self.kind == "poisson":
-                t += rng.expovariate(rate)
+                t += rng.expovariate(1.0) / rate
             else:
-                t += rng.gammavariate(shape, 1.0 / (shape * rate))
+                t += rng.gammavariate(shape, 1.0 / shape) / rate
             out.append(t)
         return out
 
@@ -172,5 +174,9 @@ class Arrivals:
 def generate(
     lengths: LengthSource, arrivals: Arrivals, rate: float, n: int, rng: random.Random
 ) -> list[SimRequest]:
-    times = arrivals.times(rate, n, rng)
-    return [SimRequest(t, *lengths.sample(rng)) for t in times]
+    """`n` requests. Arrival times and lengths come from two streams split off `rng`, so the
+    k-th request has the same lengths whatever the rate and however many requests are asked."""
+    seed = rng.getrandbits(64)
+    times = arrivals.times(rate, n, random.Random(f"arrivals-{seed}"))
+    sizes = random.Random(f"lengths-{seed}")
+    return [SimRequest(t, *lengths.sample(sizes)) for t in times]
