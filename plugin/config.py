@@ -7,6 +7,7 @@ raises `ConfigError` naming the variable, so the process never starts half-confi
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -263,6 +264,13 @@ def _parse(
     return value
 
 
+def _is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host.strip("[]")), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -331,6 +339,8 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
         return None
     if any(c.isspace() or c == "/" for c in host):
         raise ConfigError(f"REDIS_HOST={host!r} is not a host name or address")
+    if ":" in host and not _is_ipv6(host):
+        raise ConfigError(f"REDIS_HOST={host!r}: give the host alone; the port goes in REDIS_PORT")
     name = env.get("POD_NAME", "").strip() or socket.gethostname() or "gateway"
     namespace = env.get("POD_NAMESPACE", "").strip()
     return RedisSettings(

@@ -204,3 +204,14 @@ def test_drain_seconds() -> None:
     assert load_settings({"HETERO_GATEWAY_DRAIN_S": "2.5"}).drain_s == 2.5
     with pytest.raises(ConfigError, match="HETERO_GATEWAY_DRAIN_S"):
         load_settings({"HETERO_GATEWAY_DRAIN_S": "-1"})
+
+
+@pytest.mark.parametrize("host", ["redis:6379", "10.0.0.5:6379"])
+def test_redis_host_with_a_port_is_refused(host: str) -> None:
+    with pytest.raises(ConfigError, match="REDIS_PORT"):
+        load_settings({"REDIS_HOST": host})
+
+
+def test_redis_host_may_be_an_ipv6_address() -> None:
+    settings = load_settings({"REDIS_HOST": "fd00::5"})
+    assert settings.redis is not None and settings.redis.host == "fd00::5"

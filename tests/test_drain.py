@@ -19,9 +19,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from plugin.adapters.discovery import StaticFileSource
+from plugin.adapters.discovery import StaticFileSource, load_pods_file
 from plugin.adapters.serve import Gateway
 from plugin.config import load_settings
+from plugin.core.types import Pod
 
 WAIT_S = 10.0  # bound of every wait; nothing here should take close to it
 
@@ -148,3 +149,35 @@ async def test_drain_limit_closes_what_is_left_without_leaking_a_count(gateway: 
             await gateway.stop()  # the response never comes: cut at the drain limit
         assert await call.code() != grpc.StatusCode.OK
     await _until(lambda: gateway.pool.inflight(KEY) == 0, "lease released")
+
+
+class _Broken:
+    """A pod source that fails after its first delivery."""
+
+    def __init__(self, pods_file: Path) -> None:
+        self._path = str(pods_file)
+
+    async def run(self, on_update: Callable[[list[Pod]], None]) -> None:
+        on_update(load_pods_file(self._path))
+        raise RuntimeError("watch exploded")
+
+
+async def test_a_dying_background_loop_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pods = tmp_path / "pods.yaml"
+    doc = {
+        "models": {
+            "m": {"pods": [{"name": "a", "namespace": "ns", "address": "127.0.0.1", "port": 9}]}
+        }
+    }
+    pods.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    settings = dataclasses.replace(load_settings({}), grpc_port=0, http_port=0)
+    gw = Gateway(settings, _Broken(pods), "127.0.0.1")  # type: ignore[arg-type]
+    await gw.start()
+    try:
+        await _until(lambda: "pod discovery failed" in caplog.text, "the error log")
+        assert "watch exploded" in caplog.text
+        assert gw.pool.loaded  # what was delivered keeps serving
+    finally:
+        await gw.stop()

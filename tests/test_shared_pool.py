@@ -74,18 +74,21 @@ def test_first_shared_read_sets_baselines_then_increases_are_credited() -> None:
     assert (pool.output_tokens_total(A.key), pool.output_tokens_total(B.key)) == (17, 3)
 
 
-def test_counter_that_goes_backwards_is_a_reset_not_a_negative_rate() -> None:
+def test_counter_that_goes_backwards_restarted_from_zero_not_a_negative_rate() -> None:
     pool, estimator = make()
     pool.apply_shared_tokens({A.key: 500})
     pool.apply_shared_tokens({A.key: 600})
     assert estimator.total(A.key) == 100
-    pool.apply_shared_tokens({A.key: 40})  # the store restarted empty (or the key expired)
-    assert estimator.total(A.key) == 100
+    # The store restarted empty (or the key expired) and then received 40 tokens, ours among
+    # them: all 40 are new.
+    pool.apply_shared_tokens({A.key: 40})
+    assert estimator.total(A.key) == 140
     pool.apply_shared_tokens({A.key: 55})
-    assert estimator.total(A.key) == 115
-    pool.apply_shared_tokens({A.key: None})  # gone: reads as 0
+    assert estimator.total(A.key) == 155
+    pool.apply_shared_tokens({A.key: None})  # gone: reads as 0, nothing gained
+    assert estimator.total(A.key) == 155
     pool.apply_shared_tokens({A.key: 5})
-    assert estimator.total(A.key) == 120
+    assert estimator.total(A.key) == 160
 
 
 def test_leaving_shared_mode_credits_taken_and_unpublished_tokens_locally() -> None:

@@ -8,8 +8,8 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
@@ -184,10 +184,10 @@ class Gateway:
         addresses = runner.addresses
         self.http_port = int(addresses[0][1]) if addresses else self.settings.http_port
 
-        self._tasks.append(asyncio.ensure_future(self.source.run(self._on_pods)))
-        self._tasks.append(asyncio.ensure_future(self.scraper.run()))
+        self._background(self.source.run(self._on_pods), "pod discovery")
+        self._background(self.scraper.run(), "metrics scraping")
         if self.shared is not None:
-            self._tasks.append(asyncio.ensure_future(self.shared.run()))
+            self._background(self.shared.run(), "shared state")
         log.info(
             "ext_proc gRPC on %s:%d, HTTP on %s:%d",
             self.host,
@@ -195,6 +195,22 @@ class Gateway:
             self.host,
             self.http_port,
         )
+
+    def _background(self, work: Coroutine[Any, Any, None], what: str) -> None:
+        """Run a loop that should live as long as the gateway; if it dies, say so loudly."""
+
+        def done(task: asyncio.Task[None]) -> None:
+            if task.cancelled() or self.draining:
+                return
+            exc = task.exception()
+            if exc is None:
+                log.error("%s ended; the gateway runs on without it", what)
+            else:
+                log.error("%s failed: %r; the gateway runs on without it", what, exc)
+
+        task = asyncio.ensure_future(work)
+        task.add_done_callback(done)
+        self._tasks.append(task)
 
     async def stop(self) -> None:
         """Drain, then close: refuse new streams and report not ready at once, let in-flight

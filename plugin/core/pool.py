@@ -332,7 +332,7 @@ class PodPool:
 
         Credits each pod's increase since the previous read; the first read after local mode
         only sets baselines. A missing counter reads as 0; one that went backwards (the store
-        restarted or the key expired) is a reset: a new baseline, nothing credited.
+        restarted or the key expired) started again from 0, so all of its value is new.
         """
         entering = not self._shared_tokens
         for key, total in totals.items():
@@ -341,8 +341,11 @@ class PodPool:
             value = 0 if total is None or total < 0 else total
             last = self._shared_seen.get(key)
             self._shared_seen[key] = value
-            if not entering and last is not None and value > last:
-                self._capacity.add_tokens(key, value - last)
+            if entering or last is None:
+                continue
+            gained = value - last if value >= last else value  # backwards: a restart from 0
+            if gained > 0:
+                self._capacity.add_tokens(key, gained)
         self._shared_tokens = True
 
     def leave_shared_tokens(self, taken: Mapping[str, int]) -> None:
