@@ -196,22 +196,38 @@ def test_a_removed_pod_forgets_its_batch_cap() -> None:
     assert pool.saturation(a.key) is None
 
 
-def test_a_batch_cap_lasts_while_the_engine_queues_at_it_then_expires() -> None:
+def test_an_unconfirmed_batch_cap_is_probed_upwards_and_relearned() -> None:
     a = pod("a")
-    pool = PodPool(CapacityEstimator(), 3.0, saturation_ttl_s=30.0)
+    pool = PodPool(CapacityEstimator(), 3.0, saturation_ttl_s=60.0)
     pool.set_pods([a])
     _scrape(pool, a, 32, 5, 0.0)
     _scrape(pool, a, 32, 3, 1.0)
-    assert pool.saturation(a.key, 1.0) == 32
-    _scrape(pool, a, 32, 2, 20.0)  # queued at the cap again: confirmed
-    assert pool.saturation(a.key, 45.0) == 32
-    for t in (46.0, 47.0, 48.0, 49.0, 50.0, 51.0):
-        _scrape(pool, a, 32, 0, t)  # full, no queue: neither proof nor disproof
-    (candidate,) = pool.candidates("m", 51.0)
-    assert candidate.saturation is None  # 31 s after the last confirmation: learn it again
-    _scrape(pool, a, 32, 4, 52.0)
-    _scrape(pool, a, 32, 4, 53.0)
-    assert pool.saturation(a.key, 53.0) == 32  # relearned at the new peak
+    assert pool.saturation(a.key) == 32
+    _scrape(pool, a, 32, 2, 40.0)  # queued at the cap again: confirmed
+    for t in range(41, 101):
+        _scrape(pool, a, 32, 0, float(t))  # full, no queue: neither proof nor disproof
+    assert pool.saturation(a.key) == 32  # 60 s after the confirmation: not yet
+    _scrape(pool, a, 32, 0, 101.0)
+    assert pool.saturation(a.key) == 40  # probed: a quarter more may go through
+    _scrape(pool, a, 32, 6, 102.0)
+    _scrape(pool, a, 32, 6, 103.0)
+    assert pool.saturation(a.key) == 32  # the engine queues at 32 again: that is the cap
+
+
+def test_a_false_cap_learned_early_is_outgrown() -> None:
+    # A burst of long prompts held a queue at 126 while that was the engine's peak.
+    a = pod("a")
+    pool = PodPool(CapacityEstimator(), 3.0, saturation_ttl_s=60.0)
+    pool.set_pods([a])
+    _scrape(pool, a, 126, 4, 0.0)
+    _scrape(pool, a, 126, 2, 1.0)
+    assert pool.saturation(a.key) == 126
+    _scrape(pool, a, 126, 0, 62.0)
+    assert pool.saturation(a.key) == 158  # probed
+    _scrape(pool, a, 150, 0, 63.0)  # it runs more than the old cap without a queue
+    _scrape(pool, a, 158, 0, 64.0)
+    _scrape(pool, a, 170, 0, 65.0)
+    assert pool.saturation(a.key) == 170  # raised by what it ran
 
 
 def test_an_infinite_running_count_is_ignored() -> None:

@@ -110,7 +110,7 @@ class PodPool:
         capacity: CapacityEstimator,
         metrics_max_age_s: float = 3.0,
         ejection: EjectionPolicy | None = None,
-        saturation_ttl_s: float = 30.0,
+        saturation_ttl_s: float = 60.0,
     ) -> None:
         self._capacity = capacity
         self._saturation_ttl_s = saturation_ttl_s
@@ -267,46 +267,45 @@ class PodPool:
         self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None, now: float
     ) -> None:
         """An engine at its batch cap keeps a queue while running the most it has ever run:
-        that number is its cap. Running more without a queue raises it.
+        that number is its cap.
 
-        The queue must show in two scrapes in a row at the same running count, and that count
-        must be the engine's peak. A request that just arrived waits for the next step, and a
-        burst of long prompts waits for the step's token budget at whatever count is running;
-        neither is a cap. A burst can still look like one early in a pod's life, while its peak
-        is low, and a learned cap stops the traffic that would prove it wrong: so a cap lasts
-        `saturation_ttl_s` after the engine last queued at it, then it must be learned again.
+        - Learned (or corrected) when a queue shows in two scrapes in a row at the same running
+          count and that count is the engine's peak. A request that just arrived waits for the
+          next step, and a burst of long prompts waits for the step's token budget at whatever
+          count is running; neither pins the peak.
+        - Raised when the engine runs more than the cap; confirmed when it queues at the cap.
+        - Probed: a cap the engine has not confirmed for `saturation_ttl_s` grows by a quarter.
+          A burst early in a pod's life can still look like a cap, and a cap stops the very
+          traffic that would prove it wrong; the probe lets a little more through, and the
+          engine either runs it (the cap was low) or queues at the true cap (it is relearned).
         """
         running, waiting = metrics.running, metrics.waiting
         if running is None or waiting is None or not 1 <= running < math.inf:  # NaN, inf
             return
-        entry = self._saturation.get(key)
-        if entry is not None and now - entry[1] > self._saturation_ttl_s:
-            del self._saturation[key]
-            self._peak_running[key] = running  # a new peak, from here on, makes a new cap
-            entry = None
         peak = self._peak_running.get(key, 0.0)
         if running > peak:
             self._peak_running[key] = peak = running
         queued = waiting >= 1
-        if entry is not None:
-            cap = entry[0]
-            if running > cap or (queued and running >= cap):
-                self._saturation[key] = (max(cap, int(running)), now)  # raised or confirmed
-            return
         held = (
-            previous is not None
+            queued
+            and previous is not None
             and (previous.waiting or 0.0) >= 1
             and previous.running == running
             and running >= peak
         )
-        if queued and held:
+        entry = self._saturation.get(key)
+        if held:
             self._saturation[key] = (int(running), now)
+        elif entry is not None:
+            cap, confirmed = entry
+            if running > cap or (queued and running >= cap):
+                self._saturation[key] = (max(cap, int(running)), now)
+            elif now - confirmed > self._saturation_ttl_s:
+                self._saturation[key] = (max(cap + 1, math.ceil(cap * 1.25)), now)
 
     def _live_saturation(self, key: str, now: float) -> int | None:
         entry = self._saturation.get(key)
-        if entry is None or now - entry[1] > self._saturation_ttl_s:
-            return None
-        return entry[0]
+        return None if entry is None else entry[0]
 
     def refresh_capacity(self, now: float) -> None:
         self._capacity.refresh(now)
