@@ -473,12 +473,39 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         log_level=level,
         discovery=_choice(env, "HETERO_GATEWAY_DISCOVERY", DISCOVERY_KINDS, "file"),
         k8s_namespaces=_namespaces(env, "HETERO_GATEWAY_K8S_NAMESPACE"),
-        k8s_label_selector=env.get(
-            "HETERO_GATEWAY_K8S_LABEL_SELECTOR", DEFAULT_K8S_LABEL_SELECTOR
-        ).strip(),
+        k8s_label_selector=_label_selector(env, "HETERO_GATEWAY_K8S_LABEL_SELECTOR"),
         gpu_label=_label_key(env, "HETERO_GATEWAY_GPU_LABEL", DEFAULT_GPU_LABEL),
         redis=_redis_settings(env),
     )
+
+
+_LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+_SELECTOR_TERM_RE = re.compile(
+    rf"\s*(?:!\s*(?P<absent>\S+)"
+    rf"|(?P<key>[^\s!=,()]+)\s*(?:(?:==|=|!=)\s*{_LABEL_VALUE}"
+    rf"|\s(?:in|notin)\s*\(\s*{_LABEL_VALUE}(?:\s*,\s*{_LABEL_VALUE})*\s*\))?)\s*"
+)
+
+
+def _label_selector(env: Mapping[str, str], name: str) -> str:
+    """Kubernetes' label selector syntax (`a`, `!a`, `a=b`, `a!=b`, `a in (b,c)`, `a notin (b)`,
+    joined by commas): a typo must stop start-up, not turn into an endless retry of HTTP 400s.
+    Empty is allowed and means every pod in scope."""
+    value = env.get(name, DEFAULT_K8S_LABEL_SELECTOR).strip()
+    terms, depth, start = [], 0, 0
+    for i, ch in enumerate(value):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            terms.append(value[start:i])
+            start = i + 1
+    if value:
+        terms.append(value[start:])
+    for term in terms:
+        match = _SELECTOR_TERM_RE.fullmatch(term)
+        key = match and (match.group("absent") or match.group("key"))
+        if not match or not key or len(key) > 317 or not _LABEL_KEY_RE.fullmatch(key):
+            raise ConfigError(f"{name}={value!r}: {term.strip()!r} is not a label selector term")
+    return value
 
 
 def _label_key(env: Mapping[str, str], name: str, default: str) -> str:

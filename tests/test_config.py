@@ -215,3 +215,21 @@ def test_redis_host_with_a_port_is_refused(host: str) -> None:
 def test_redis_host_may_be_an_ipv6_address() -> None:
     settings = load_settings({"REDIS_HOST": "fd00::5"})
     assert settings.redis is not None and settings.redis.host == "fd00::5"
+
+
+@pytest.mark.parametrize(
+    "selector",
+    ["model.aibrix.ai/name", "", "app=vllm,tier!=canary", "env in (prod, staging),!legacy", "a==b"],
+    ids=["default", "every-pod", "equality", "set-and-absence", "double-equals"],
+)
+def test_label_selector_syntax_is_accepted(selector: str) -> None:
+    env = {"HETERO_GATEWAY_K8S_LABEL_SELECTOR": selector}
+    assert load_settings(env).k8s_label_selector == selector
+
+
+@pytest.mark.parametrize(
+    "selector", ["x in (a b", "=b", "a=b c", "!", "bad key=1", "a=-b"], ids=str
+)
+def test_a_malformed_label_selector_stops_start_up(selector: str) -> None:
+    with pytest.raises(ConfigError, match="HETERO_GATEWAY_K8S_LABEL_SELECTOR"):
+        load_settings({"HETERO_GATEWAY_K8S_LABEL_SELECTOR": selector})
