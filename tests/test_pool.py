@@ -198,7 +198,7 @@ def test_a_removed_pod_forgets_its_batch_cap() -> None:
 
 def test_an_unconfirmed_batch_cap_is_probed_upwards_and_relearned() -> None:
     a = pod("a")
-    pool = PodPool(CapacityEstimator(), 3.0, saturation_ttl_s=60.0)
+    pool = PodPool(CapacityEstimator(), 3.0, saturation_probe_s=60.0)
     pool.set_pods([a])
     _scrape(pool, a, 32, 5, 0.0)
     _scrape(pool, a, 32, 3, 1.0)
@@ -217,7 +217,7 @@ def test_an_unconfirmed_batch_cap_is_probed_upwards_and_relearned() -> None:
 def test_a_false_cap_learned_early_is_outgrown() -> None:
     # A burst of long prompts held a queue at 126 while that was the engine's peak.
     a = pod("a")
-    pool = PodPool(CapacityEstimator(), 3.0, saturation_ttl_s=60.0)
+    pool = PodPool(CapacityEstimator(), 3.0, saturation_probe_s=60.0)
     pool.set_pods([a])
     _scrape(pool, a, 126, 4, 0.0)
     _scrape(pool, a, 126, 2, 1.0)

@@ -98,7 +98,7 @@ class PodPool:
         "_remote",
         "_routed",
         "_saturation",
-        "_saturation_ttl_s",
+        "_saturation_probe_s",
         "_shared_seen",
         "_shared_tokens",
         "_unpublished",
@@ -110,10 +110,10 @@ class PodPool:
         capacity: CapacityEstimator,
         metrics_max_age_s: float = 3.0,
         ejection: EjectionPolicy | None = None,
-        saturation_ttl_s: float = 60.0,
+        saturation_probe_s: float = 60.0,
     ) -> None:
         self._capacity = capacity
-        self._saturation_ttl_s = saturation_ttl_s
+        self._saturation_probe_s = saturation_probe_s
         self._ejection = ejection or EjectionPolicy()
         self._health: dict[str, _Health] = {}
         self._metrics_max_age_s = metrics_max_age_s
@@ -194,7 +194,7 @@ class PodPool:
             waiting,
             kv,
             self._capacity.estimate(key),
-            self._live_saturation(key, now),
+            self.saturation(key),
         )
 
     def acquire(self, pod: Pod) -> Lease:
@@ -274,7 +274,7 @@ class PodPool:
           next step, and a burst of long prompts waits for the step's token budget at whatever
           count is running; neither pins the peak.
         - Raised when the engine runs more than the cap; confirmed when it queues at the cap.
-        - Probed: a cap the engine has not confirmed for `saturation_ttl_s` grows by a quarter.
+        - Probed: a cap the engine has not confirmed for `saturation_probe_s` grows by a quarter.
           A burst early in a pod's life can still look like a cap, and a cap stops the very
           traffic that would prove it wrong; the probe lets a little more through, and the
           engine either runs it (the cap was low) or queues at the true cap (it is relearned).
@@ -300,12 +300,8 @@ class PodPool:
             cap, confirmed = entry
             if running > cap or (queued and running >= cap):
                 self._saturation[key] = (max(cap, int(running)), now)
-            elif now - confirmed > self._saturation_ttl_s:
+            elif now - confirmed > self._saturation_probe_s:
                 self._saturation[key] = (max(cap + 1, math.ceil(cap * 1.25)), now)
-
-    def _live_saturation(self, key: str, now: float) -> int | None:
-        entry = self._saturation.get(key)
-        return None if entry is None else entry[0]
 
     def refresh_capacity(self, now: float) -> None:
         self._capacity.refresh(now)
@@ -377,10 +373,8 @@ class PodPool:
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
 
-    def saturation(self, key: str, now: float | None = None) -> int | None:
-        """The learned batch cap; with `now`, only while it is still live."""
-        if now is not None:
-            return self._live_saturation(key, now)
+    def saturation(self, key: str) -> int | None:
+        """The learned batch cap: the most the engine runs at once, as far as the pool knows."""
         entry = self._saturation.get(key)
         return None if entry is None else entry[0]
 
@@ -401,7 +395,7 @@ class PodPool:
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),
-                "saturation": self.saturation(key, now),
+                "saturation": self.saturation(key),
                 "ejected": self.ejected(key, now),
                 "engine": None
                 if scraped is None
