@@ -358,6 +358,19 @@ def _ejection_policy(consecutive_5xx: int, base_s: float) -> EjectionPolicy:
     return EjectionPolicy(consecutive_5xx=consecutive_5xx, base_s=base_s, max_s=max(60.0, base_s))
 
 
+def max_message_bytes(env: Mapping[str, str] | None = None) -> int:
+    """AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES alone: `envoy-config` needs this one value, and a typo
+    in an unrelated variable must not stop it."""
+    return _parse(
+        os.environ if env is None else env,
+        "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
+        int,
+        DEFAULT_MAX_MESSAGE_BYTES,
+        lambda v: 0 < v < 2**31,
+        "a positive integer number of bytes below 2^31",
+    )
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -408,14 +421,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         default_strategy=strategy,
         strategy=params,
         metric_refresh_interval_s=refresh_ms / 1000.0,
-        max_message_bytes=_parse(
-            env,
-            "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
-            int,
-            DEFAULT_MAX_MESSAGE_BYTES,
-            lambda v: 0 < v < 2**31,
-            "a positive integer number of bytes below 2^31",
-        ),
+        max_message_bytes=max_message_bytes(env),
         pods_file=env.get("HETERO_GATEWAY_PODS_FILE") or None,
         grpc_port=_port(env, "HETERO_GATEWAY_GRPC_PORT", 50052),
         http_port=_port(env, "HETERO_GATEWAY_HTTP_PORT", 8080),

@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from plugin.demo.fleet import free_port
+from plugin.demo.up import UpOptions
+from plugin.errors import ConfigError
 
 # The issue fixes these keys; spelled out here (not imported) so a change in report.py fails here.
 REPLICA_KEYS = {
@@ -28,8 +31,9 @@ REPLICA_KEYS = {
 }
 
 
+@pytest.mark.dataplane
 def test_up_demo_writes_the_comparison(tmp_path: Path) -> None:
-    out = tmp_path / "demo.json"
+    out = tmp_path / "not-yet" / "demo.json"  # the folder is made before the run, not after
     proc = subprocess.run(
         [
             sys.executable,
@@ -69,3 +73,17 @@ def test_up_demo_writes_the_comparison(tmp_path: Path) -> None:
             assert set(replica) == REPLICA_KEYS
         shares = sum(r["capacity_share"] for r in summary["replicas"].values())
         assert abs(shares - 1) < 1e-9
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (UpOptions(strategies=("least-request", "magic")), "--strategies"),
+        (UpOptions(strategies=()), "--strategies"),
+        (UpOptions(demo_s=5, json_path="/proc/no/such/demo.json"), "--json"),
+    ],
+    ids=["unknown-strategy", "no-strategy", "json-folder-cannot-be-made"],
+)
+def test_bad_options_stop_before_any_load(options: UpOptions, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        options.check()

@@ -584,11 +584,11 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def _max_request_bytes_from_env() -> int:
     """The plugin's own setting (plugin.config), so Envoy's limit and gRPC's cannot drift."""
-    from plugin.config import load_settings
+    from plugin.config import max_message_bytes
     from plugin.errors import ConfigError
 
     try:
-        return load_settings().max_message_bytes
+        return max_message_bytes()
     except ConfigError as exc:
         raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
 

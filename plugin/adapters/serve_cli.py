@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from plugin.config import DISCOVERY_KINDS
+
 
 def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("serve", help="run the ext_proc plugin (gRPC) with /metrics over HTTP")
     p.add_argument("--pods", help="static pods YAML file (env HETERO_GATEWAY_PODS_FILE)")
     p.add_argument(
         "--discovery",
-        choices=("file", "kubernetes"),
+        choices=DISCOVERY_KINDS,
         help="pod source: the --pods file, or the Kubernetes API (env HETERO_GATEWAY_DISCOVERY,"
         " default file; namespaces from HETERO_GATEWAY_K8S_NAMESPACE)",
     )
@@ -23,24 +25,21 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
     import logging
+    import os
 
     from plugin.adapters.serve import Gateway, build_source, run_until_signal
     from plugin.config import load_settings
 
-    settings = load_settings()
-    overrides = {
-        k: v
-        for k, v in (
-            ("pods_file", args.pods),
-            ("discovery", args.discovery),
-            ("grpc_port", args.grpc_port),
-            ("http_port", args.http_port),
-        )
-        if v is not None
+    # A flag is its variable's value: the same validation and the same error for both.
+    flags = {
+        "HETERO_GATEWAY_PODS_FILE": args.pods,
+        "HETERO_GATEWAY_DISCOVERY": args.discovery,
+        "HETERO_GATEWAY_GRPC_PORT": args.grpc_port,
+        "HETERO_GATEWAY_HTTP_PORT": args.http_port,
     }
-    settings = dataclasses.replace(settings, **overrides)
+    env = {**os.environ, **{k: str(v) for k, v in flags.items() if v is not None}}
+    settings = load_settings(env)
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

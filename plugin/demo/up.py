@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from plugin.core.strategies import strategy_names
 from plugin.demo.fleet import FleetSpec, LocalFleet, process_cpu_seconds
 from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
 from plugin.demo.report import demo_json, format_table, summarize
@@ -56,6 +57,16 @@ class UpOptions:
             raise ConfigError("--warmup SECONDS must be >= 0")
         if self.json_path and self.demo_s is None:
             raise ConfigError("--json needs --demo")
+        known = strategy_names()
+        bad = [s for s in self.strategies if s not in known]
+        if bad or not self.strategies:
+            raise ConfigError(f"--strategies: unknown {bad} (known: {sorted(known)})")
+        if self.json_path:
+            # Found out now, not after minutes of load.
+            try:
+                Path(self.json_path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"--json {self.json_path}: {exc.strerror}") from None
 
 
 def _say(msg: str) -> None:
