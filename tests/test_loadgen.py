@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import statistics
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,8 @@ def test_length_dist_deterministic_and_bounded(dist: LengthDist) -> None:
     assert len(set(first)) == 1
     assert all(dist.low <= x <= dist.high for x in a)
     assert all(isinstance(x, int) for x in a)
-    assert dist.mean() == dist.mean()
+    # mean() is the distribution's (clipped) mean: the sample's mean agrees with it.
+    assert statistics.fmean(a) == pytest.approx(dist.mean(), rel=0.1)
     assert dist.low <= dist.mean() <= dist.high
 
 
@@ -295,14 +297,13 @@ async def test_in_flight_cap_sends_late_not_never(engine: tuple[str, _Seen]) -> 
 
 async def test_run_ends_at_deadline(engine: tuple[str, _Seen]) -> None:
     url, _ = engine
-    loop = asyncio.get_running_loop()
-    begin = loop.time()
     # One slot, requests that hang past their 0.3 s timeout: the queue cannot drain by
-    # duration + timeout = 0.5 s, so what is left is cancelled and recorded, not awaited.
-    results = await run_open_loop(
-        url + "/slow", "m", _SHORT, strategy=None, max_in_flight=1, request_timeout_s=0.3
-    )
-    assert loop.time() - begin < 1.5
+    # duration + timeout = 0.5 s, so what is left is cancelled and recorded, not awaited (the
+    # last result says so below; the timeout only guards against a hang).
+    async with asyncio.timeout(5):
+        results = await run_open_loop(
+            url + "/slow", "m", _SHORT, strategy=None, max_in_flight=1, request_timeout_s=0.3
+        )
     assert len(results) == len(
         arrival_times(_SHORT.rate_per_s, _SHORT.duration_s, random.Random(_SHORT.seed))
     )

@@ -608,9 +608,9 @@ async def test_close_releases_in_flight_requests(http: aiohttp.ClientSession) ->
         )
         await _wait_for(http, handle, lambda m: m["vllm:num_requests_running"] == 1)
     finally:
-        started = asyncio.get_running_loop().time()
-        await handle.close()
-    assert asyncio.get_running_loop().time() - started < 1.5  # no wait for shutdown_timeout
+        # Not aiohttp's 60 s shutdown_timeout: in-flight requests are answered and closed.
+        async with asyncio.timeout(5):
+            await handle.close()
     async with await request as resp:
         assert resp.status == 503
         assert (await resp.json())["error"]["type"] == "overloaded_error"
