@@ -10,10 +10,11 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from plugin.sim.engine import PRESETS as GPU_PRESETS
+
 if TYPE_CHECKING:
     from plugin.mock_engine.model import EngineParams
 
-_PRESET_NAMES = ("a100", "l20", "v100")
 # flag dest -> EngineParams field; a flag left unset keeps the preset's value.
 _OVERRIDES = (
     "a_ms",
@@ -38,7 +39,9 @@ def register_cli(subparsers: Any) -> None:
             "Flags override the preset's values."
         ),
     )
-    parser.add_argument("--preset", required=True, choices=_PRESET_NAMES, help="GPU cost preset")
+    parser.add_argument(
+        "--preset", required=True, choices=sorted(GPU_PRESETS), help="GPU step-cost preset"
+    )
     parser.add_argument("--port", required=True, type=int, help="TCP port (0 picks a free one)")
     parser.add_argument("--model", required=True, help="model name to serve")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -17,6 +17,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+from plugin.sim.engine import PRESETS as GPU_PRESETS
+
 SeqId: TypeAlias = Hashable
 
 
@@ -65,12 +67,18 @@ def _check_float(name: str, value: object, *, allow_zero: bool) -> None:
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
+# One table of GPU types for the mock engine and the simulator (plugin.sim.engine): the same
+# step-cost numbers, so a demo and a simulation of one fleet describe the same hardware.
 PRESETS: dict[str, EngineParams] = {
-    "a100": EngineParams(a_ms=9.0, b_ms=0.12, prefill_ms_per_token=0.09, kv_tokens=440_000),
-    "l20": EngineParams(a_ms=20.0, b_ms=0.30, prefill_ms_per_token=0.25, kv_tokens=210_000),
-    "v100": EngineParams(a_ms=22.0, b_ms=0.35, prefill_ms_per_token=0.35, kv_tokens=100_000),
+    name: EngineParams(
+        a_ms=gpu.a_ms,
+        b_ms=gpu.b_ms,
+        prefill_ms_per_token=gpu.p_ms,
+        kv_tokens=gpu.kv_tokens,
+        max_num_seqs=gpu.max_num_seqs,
+    )
+    for name, gpu in GPU_PRESETS.items()
 }
-"""Step-cost presets for three GPU types (DESIGN.md section 5), all with 256 sequences."""
 
 
 def step_duration_s(params: EngineParams, batch: int, prefill_tokens: int = 0) -> float:
