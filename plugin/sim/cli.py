@@ -147,7 +147,7 @@ def build_scenario(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from plugin.sim.report import format_markdown, write_json, write_plots
+    from plugin.sim.report import UTILIZATION, format_markdown, write_json, write_plots
     from plugin.sim.sweep import study
 
     scenario = build_scenario(args)
@@ -182,8 +182,7 @@ def run(args: argparse.Namespace) -> int:
         scrape_interval_s=args.scrape_interval,
         metrics_delay_s=args.metrics_delay,
         definitions={
-            "utilization": "output tokens/s over the measured window / saturated decode rate"
-            " (max_num_seqs sequences per step, no prefill)",
+            "utilization": UTILIZATION,
             "busy": "fraction of the measured window the engine spent running steps",
             "g_star": "sum over replicas of the largest rate each serves alone at the target"
             " attainment",

@@ -116,17 +116,13 @@ class SimSeq:
         "prefilled",
         "prompt_tokens",
         "rid",
-        "tag",
     )
 
-    def __init__(
-        self, rid: int, arrival: float, prompt_tokens: int, output_tokens: int, tag: object = None
-    ) -> None:
+    def __init__(self, rid: int, arrival: float, prompt_tokens: int, output_tokens: int) -> None:
         self.rid = rid
         self.arrival = arrival
         self.prompt_tokens = max(1, prompt_tokens)
         self.output_tokens = max(1, output_tokens)
-        self.tag = tag  # the caller's handle (e.g. the gateway's lease)
         self.prefill_target = self.prompt_tokens
         self.prefilled = 0
         self.generated = 0  # tokens emitted before the current decoding run began
@@ -246,16 +242,15 @@ class SimEngine:
 
     def finish_step(
         self, now: float, duration: float, chunks: Iterable[tuple[SimSeq, int]]
-    ) -> tuple[list[SimSeq], list[SimSeq]]:
+    ) -> list[SimSeq]:
         """End the planned step at `now`: emit tokens, move finished prefills to decoding.
 
-        Returns (sequences that emitted their first token, sequences that finished).
+        Returns the sequences that finished (first tokens are stamped on the sequences).
         """
         self.busy_s += duration
         self.generated_tokens += self._decoding
         self.steps += 1
         k = self.steps
-        first: list[SimSeq] = []
         for seq, _ in chunks:
             if seq.prefilled < seq.prefill_target or seq.rid not in self._prefilling:
                 continue
@@ -266,7 +261,6 @@ class SimEngine:
             self.generated_tokens += 1
             if seq.first_token_at < 0:
                 seq.first_token_at = now
-                first.append(seq)
             seq.base = seq.prompt_tokens + seq.generated - k
             self._kv_const += seq.base
             self._decoding += 1
@@ -285,7 +279,7 @@ class SimEngine:
             self._decoding -= 1
             del self._running[rid]
             done.append(seq)
-        return first, done
+        return done
 
     def _preempt_last(self) -> None:
         rid, seq = self._running.popitem()

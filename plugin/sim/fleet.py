@@ -48,7 +48,6 @@ class RequestRecord:
     finish: float  # -1 when never
     prompt_tokens: int
     output_tokens: int
-    preemptions: int
     measured: bool  # arrived inside the measured window (after the warm-up)
 
     @property
@@ -91,7 +90,6 @@ class RunResult:
     records: tuple[RequestRecord, ...]
     window_s: float  # from the first to the last measured arrival
     windows: tuple[ReplicaWindow, ...]
-    end_time: float
 
 
 def replica_names(profiles: Sequence[GpuProfile]) -> list[str]:
@@ -186,11 +184,12 @@ def simulate(
             seqs.append(seq)
             lease = router.route(info, strategy).lease
             i = index[lease.key]
-            placed.append(i)
             next_req += 1
             if not engines[i].fits(seq):
-                lease.release(0, 0, now)  # dropped: the gateway sees an immediate failure
+                placed.append(-1)  # dropped: never reached an engine
+                lease.release(0, 0, now)  # the gateway sees an immediate failure
                 continue
+            placed.append(i)
             leases[seq.rid] = lease
             engines[i].submit(seq)
             if not busy[i]:
@@ -204,7 +203,7 @@ def simulate(
         now = t
         if kind == _STEP:
             i, duration, chunks = data
-            _, done = engines[i].finish_step(now, duration, chunks)
+            done = engines[i].finish_step(now, duration, chunks)
             for seq in done:
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
             start_step(i)
@@ -234,17 +233,14 @@ def simulate(
     )
     records = tuple(
         RequestRecord(
-            placed[k] if engines[placed[k]].fits(s) else -1,
+            placed[k],
             s.arrival,
             s.first_token_at,
             s.finish_at,
             s.prompt_tokens,
             s.output_tokens,
-            s.preemptions,
             measured[k],
         )
         for k, s in enumerate(seqs)
     )
-    return RunResult(
-        tuple(names), tuple(profiles), records, max(0.0, t_stop - t_start), windows, now
-    )
+    return RunResult(tuple(names), tuple(profiles), records, max(0.0, t_stop - t_start), windows)

@@ -12,8 +12,8 @@ import orjson
 __all__ = ["format_markdown", "write_json", "write_plots"]
 
 UTILIZATION = (
-    "utilisation = a replica's output tokens/s over the measured window / its saturated decode "
-    "rate (max_num_seqs sequences in every step, no prefill)"
+    "a replica's output tokens/s over the measured window / its saturated decode rate"
+    " (max_num_seqs sequences in every step, no prefill)"
 )
 
 
@@ -65,7 +65,7 @@ def format_markdown(doc: Mapping[str, Any]) -> str:
                 f" | {_per_replica(s['tpot_p50_per_replica'][load], 0, 1000)}"
                 f" | {_per_replica(s['utilization'][load])} |"
             )
-    lines += ["", UTILIZATION + "."]
+    lines += ["", f"utilisation = {UTILIZATION}."]
     return "\n".join(lines) + "\n"
 
 

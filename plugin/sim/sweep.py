@@ -198,6 +198,7 @@ def study(
             "busy": "busy",
             "tpot_p50_per_replica": "tpot_p50",
             "e2e_per_token_p99_per_replica": "e2e_per_token_p99",
+            "preemptions_per_replica": "preemptions",
         }
         entry: dict[str, Any] = {
             "max_rate": max_rate,
