@@ -24,6 +24,11 @@ from typing import Any
 
 import yaml
 
+from plugin.adapters.steering import (
+    DESTINATION_HEADER,
+    LB_METADATA_NAMESPACE,
+    TARGET_POD_HEADER,
+)
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
 
 MAX_MESSAGE_ENV = "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"
@@ -36,9 +41,6 @@ OVERRIDE_HOST_CLUSTER = "hetero_gateway_override_host"
 # metadata the plugin sets (the Gateway API Inference Extension's protocol) and falls back to
 # round robin when there is no pick, which is what lets fail-open really serve.
 STEERING_MODES = ("original-dst", "override-host")
-TARGET_POD_HEADER = "target-pod"
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_METADATA_NAMESPACE = "envoy.lb"
 COUNT_MODES = ("observe", "streamed")
 COUNT_FILTER = "hetero_gateway.count"
 
@@ -379,7 +381,7 @@ def _override_host_cluster(opts: EnvoyOptions) -> dict[str, Any]:
             "envoy.load_balancing_policies.override_host",
             "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
             override_host_sources=[
-                {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}
+                {"metadata": {"key": LB_METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}
             ],
             fallback_policy=policy(
                 "envoy.load_balancing_policies.round_robin",

@@ -19,6 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from plugin.adapters.steering import DESTINATION_HEADER, LB_METADATA_NAMESPACE, TARGET_POD_HEADER
 from plugin.core.router import LLM_PATHS, MODELS_PATH, Decision, Router, models_list, parse_request
 from plugin.core.types import Pod
 from plugin.core.usage import UsageScanner
@@ -33,7 +34,7 @@ _WANTED = frozenset({":path", ":method", "routing-strategy", "x-request-id"})
 # Replies that carry nothing are built once and reused.
 # The steering headers are the plugin's to set: one a client sent is removed on every request,
 # routed or not, so nobody can point Envoy's ORIGINAL_DST cluster at an address of their choice.
-_STEERING_HEADERS = ("target-pod", "x-gateway-destination-endpoint")
+_STEERING_HEADERS = (TARGET_POD_HEADER, DESTINATION_HEADER)
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
@@ -187,15 +188,15 @@ class StreamProcessor:
         endpoint = decision.lease.pod.endpoint
         mutation = pb.HeaderMutation(
             set_headers=[
-                _header("target-pod", endpoint),
-                _header("x-gateway-destination-endpoint", endpoint),
+                _header(TARGET_POD_HEADER, endpoint),
+                _header(DESTINATION_HEADER, endpoint),
                 _header("routing-strategy", decision.strategy),
                 _header("x-request-id", request_id),
             ]
         )
         metadata = struct_pb2.Struct()
-        metadata.fields["envoy.lb"].struct_value.fields[
-            "x-gateway-destination-endpoint"
+        metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
+            DESTINATION_HEADER
         ].string_value = endpoint
         return pb.ProcessingResponse(
             request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation)),
@@ -214,7 +215,7 @@ class StreamProcessor:
             set_headers=[
                 _header("request-id", decision.request.request_id),
                 _header("routing-strategy", decision.strategy),
-                _header("target-pod", pod.name),
+                _header(TARGET_POD_HEADER, pod.name),
                 _header("target-pod-ip", pod.endpoint),
             ]
         )
@@ -252,7 +253,7 @@ class StreamProcessor:
                     self._credit()
         elif phase == "request_headers":
             for h in req.request_headers.headers.headers:
-                if h.key == "target-pod":
+                if h.key == TARGET_POD_HEADER:
                     endpoint = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
                     self._counted = self._router.pool.pod_by_endpoint(endpoint)
                     break

@@ -1,0 +1,7 @@
+"""Names of the steering protocol, shared by the ext_proc servicer that sets them and the Envoy
+configuration that reads them: AIBrix's `target-pod` header (ORIGINAL_DST) and the Gateway API
+Inference Extension's `envoy.lb` / `x-gateway-destination-endpoint` metadata (override_host)."""
+
+TARGET_POD_HEADER = "target-pod"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE = "envoy.lb"
