@@ -503,8 +503,19 @@ async def test_counting_filter_ignores_failed_responses_and_unknown_pods(
         messages.append(_observed(response_body(b"", end_of_stream=True)))
         async with asyncio.timeout(WAIT_S):
             assert [r async for r in running.stub.Process(iter(messages))] == []
-    assert all(pool.output_tokens_total(p.key) == 0 for p in running.pods.values())
-    assert pool.output_tokens_total(pod.key) == 0
+    # A barrier: a good stream sent after them is credited, so theirs would have been by now.
+    good_endpoint, good_pod = list(running.pods.items())[1]
+    headers = request_headers()
+    headers.request_headers.headers.headers.append(
+        base_pb2.HeaderValue(key="target-pod", raw_value=good_endpoint.encode())
+    )
+    messages = [_observed(headers), _observed(response_headers(200))]
+    messages += [_observed(response_body(c)) for c in sse_chunks(5)]
+    messages.append(_observed(response_body(b"", end_of_stream=True)))
+    async with asyncio.timeout(WAIT_S):
+        assert [r async for r in running.stub.Process(iter(messages))] == []
+    await _eventually(lambda: pool.output_tokens_total(good_pod.key) == 5, "the good stream")
+    assert pool.output_tokens_total(pod.key) == 0  # the 503 and the unknown pod: nothing
 
 
 # --- passthrough --------------------------------------------------------------------------------

@@ -227,8 +227,9 @@ class StreamProcessor:
 
     def _on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         # Only with --count-mode streamed does the routing filter get the body; the scanner is
-        # made on the first chunk so the default wiring allocates none per request.
-        if self._decision is None:
+        # made on the first chunk so the default wiring allocates none per request. Only a 200
+        # is scanned: an error body carries no usage worth crediting.
+        if self._decision is None or self._upstream_status != 200:
             return _CONTINUE_RESPONSE_BODY
         scanner = self._scanner
         if scanner is None:
@@ -259,12 +260,13 @@ class StreamProcessor:
                     break
         elif phase == "response_headers" and self._counted is not None:
             self._upstream_status = _status(req.response_headers)
-            self._scanner = UsageScanner()
+            if self._upstream_status == 200:  # an error body is not scanned
+                self._scanner = UsageScanner()
 
     def _credit(self) -> None:
         pod, scanner = self._counted, self._scanner
         self._counted = None  # once
-        if pod is not None and scanner is not None and self._upstream_status == 200:
+        if pod is not None and scanner is not None:  # a scanner exists only for a 200
             self._router.pool.credit_tokens(pod.key, scanner.output_tokens())
 
     def close(self) -> None:
@@ -276,9 +278,7 @@ class StreamProcessor:
         if decision is None or decision.lease.released:
             return
         scanner = self._scanner
-        tokens = 0
-        if scanner is not None and self._upstream_status == 200:
-            tokens = scanner.output_tokens()
+        tokens = 0 if scanner is None else scanner.output_tokens()  # only a 200 has one
         decision.lease.release(tokens, self._upstream_status, self._router.now())
 
 
