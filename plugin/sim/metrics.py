@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plugin.demo.report import percentile as nearest_rank
 from plugin.sim.fleet import RequestRecord, RunResult
 
 __all__ = ["Slo", "attainment", "percentile", "summarize"]
@@ -28,12 +29,9 @@ class Slo:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
+    """The demo's nearest-rank percentile (q in 0..100), NaN instead of None for no values."""
+    value = nearest_rank(values, q)
+    return math.nan if value is None else value
 
 
 def attainment(result: RunResult, slo: Slo) -> float:
