@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
 from plugin.demo.loadgen import Workload, run_open_loop
 from plugin.demo.redis_server import RedisServer
-from plugin.demo.report import RequestResult
+from plugin.demo.report import RequestResult, percentile
 from plugin.demo.up import DEMO_OUTPUT_TOKENS, DEMO_PROMPT_WORDS
 
 MODEL = "llama-3-8b"
@@ -69,13 +68,6 @@ async def _sample(urls: dict[str, str], t0: float, stop: asyncio.Event, out: Tim
             await asyncio.sleep(0.1)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 def _phase(results: list[RequestResult], start: float, end: float) -> dict[str, Any]:
     rs = [r for r in results if start <= r.started_at < end]
     ok = [r for r in rs if r.ok]
@@ -86,12 +78,12 @@ def _phase(results: list[RequestResult], start: float, end: float) -> dict[str, 
         "requests": len(rs),
         "errors": len(rs) - len(ok),
         "rate": len(rs) / (end - start),
-        "p50": statistics.median(lat) if lat else None,
-        "p99": _pct(lat, 0.99),
-        "ttft_p50": statistics.median(ttft) if ttft else None,
-        "ttft_p99": _pct(ttft, 0.99),
-        "tpot_p50": statistics.median(tpot) if tpot else None,
-        "tpot_p99": _pct(tpot, 0.99),
+        "p50": percentile(lat, 50),  # nearest-rank, as in every other report here
+        "p99": percentile(lat, 99),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p99": percentile(ttft, 99),
+        "tpot_p50": percentile(tpot, 50),
+        "tpot_p99": percentile(tpot, 99),
     }
 
 
