@@ -1,7 +1,8 @@
 # The plugin image: `hetero-gateway serve` (ext_proc gRPC on 50052, HTTP /metrics /healthz /readyz
 # on 8080). Build: docker build -t hetero-gateway:0.1.0 .
-# Runtime dependencies only (no test or bench extras); the project is installed into a venv in a
-# build stage and only that venv is copied into the final image.
+# The runtime only: `plugin/` and the plain `pip install .` (no `demo` or `test` extra, so no Envoy
+# binary, plots or tools); it is installed into a venv in a build stage and only that venv is
+# copied into the final image.
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plugin.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
-from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
+from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 
 OUTPUT_TOKENS = 64
 SECONDS = 10.0

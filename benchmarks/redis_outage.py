@@ -22,11 +22,12 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from plugin.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
-from plugin.demo.loadgen import Workload, run_open_loop
-from plugin.demo.redis_server import RedisServer
-from plugin.demo.report import RequestResult, percentile
-from plugin.demo.up import DEMO_OUTPUT_TOKENS, DEMO_PROMPT_WORDS
+from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.loadgen import Workload, run_open_loop
+from plugin_tools.demo.redis_server import RedisServer
+from plugin_tools.demo.report import RequestResult
+from plugin_tools.demo.up import DEMO_OUTPUT_TOKENS, DEMO_PROMPT_WORDS
+from plugin_tools.stats import percentile
 
 MODEL = "llama-3-8b"
 OUT = Path(__file__).resolve().parent.parent / "docs" / "redis-outage.md"

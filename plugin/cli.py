@@ -1,5 +1,10 @@
 """Command-line entry point: one sub-command per job, each registered by the module that owns it.
 
+The runtime's own commands (`serve`, `envoy-config`) are listed here. The tools (`mock-engine`,
+`up`, `simulate`, `bench`) live in `plugin_tools`, which the runtime never imports: they announce
+themselves as entry points of the group `hetero_gateway.commands` (`pyproject.toml`), so an
+installation without them (the plugin image) simply has fewer commands.
+
 Registration modules import nothing heavy at module level, so `hetero-gateway mock-engine` does not
 pay for gRPC and `hetero-gateway --help` stays fast.
 """
@@ -8,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 
-# module path -> it defines `register_cli(subparsers)`, which adds a sub-command whose parser has
+# Each `register_cli(subparsers)` adds a sub-command whose parser has
 # `set_defaults(func=callable(args) -> int)`.
-_COMMAND_MODULES = (
-    "plugin.adapters.serve_cli",
-    "plugin.adapters.envoy_config",
-    "plugin.mock_engine.cli",
-    "plugin.demo.cli",
-    "plugin.sim.cli",
-    "plugin.bench.cli",
-)
+_RUNTIME_COMMANDS = ("plugin.adapters.serve_cli", "plugin.adapters.envoy_config")
+COMMAND_GROUP = "hetero_gateway.commands"
+
+log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Capacity-aware LLM routing for Envoy on mixed GPU fleets.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in _COMMAND_MODULES:
+    for name in _RUNTIME_COMMANDS:
         importlib.import_module(name).register_cli(sub)
+    for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda e: e.name):
+        try:
+            register = ep.load()
+        except ImportError as exc:  # declared by the metadata but not shipped (the plugin image)
+            log.debug("command %s unavailable: %s", ep.name, exc)
+            continue
+        register(sub)
     return parser
 
 

@@ -20,12 +20,12 @@ from aiohttp import web
 
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, render_bootstrap
-from plugin.bench import cli as bench_cli
-from plugin.bench.client import Batch, Timing, run_interleaved
-from plugin.bench.options import BenchOptions
-from plugin.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
-from plugin.demo.fleet import free_port
 from plugin.errors import ConfigError
+from plugin_tools.bench import cli as bench_cli
+from plugin_tools.bench.client import Batch, Timing, run_interleaved
+from plugin_tools.bench.options import BenchOptions
+from plugin_tools.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
+from plugin_tools.demo.fleet import free_port
 
 # Spelled out (not imported) so a renamed variant or key fails here.
 VARIANTS = ["direct", "headers", "buffered", "observe", "streamed"]

@@ -18,8 +18,8 @@ import pytest_asyncio
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from plugin.demo.fleet import FleetSpec, LocalFleet, free_port
-from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 

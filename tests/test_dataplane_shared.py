@@ -20,9 +20,9 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from plugin.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
-from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
-from plugin.demo.redis_server import RedisServer
+from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
+from plugin_tools.demo.redis_server import RedisServer
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 

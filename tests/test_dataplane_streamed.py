@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from plugin.demo.fleet import FleetSpec, LocalFleet, free_port
-from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 from tests.test_dataplane import MODEL, engine_metric, pods_state, wait_idle
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]

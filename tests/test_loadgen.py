@@ -14,7 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from plugin.demo.loadgen import (
+from plugin_tools.demo.loadgen import (
     LengthDist,
     Workload,
     _has_content,

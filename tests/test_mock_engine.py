@@ -23,15 +23,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from plugin.mock_engine import cli
-from plugin.mock_engine.model import (
+from plugin_tools.mock_engine import cli
+from plugin_tools.mock_engine.model import (
     PRESETS,
     BatchScheduler,
     EngineParams,
     saturated_output_tokens_per_s,
     step_duration_s,
 )
-from plugin.mock_engine.server import MockEngineHandle, start_mock_engine
+from plugin_tools.mock_engine.server import MockEngineHandle, start_mock_engine
 
 MODEL = "mock-llama"
 
@@ -663,7 +663,7 @@ def test_cli_rejects_bad_params(capsys: pytest.CaptureFixture[str]) -> None:
 
 _CLI_SCRIPT = """
 import argparse, sys
-from plugin.mock_engine import cli
+from plugin_tools.mock_engine import cli
 parser = argparse.ArgumentParser()
 cli.register_cli(parser.add_subparsers())
 args = parser.parse_args(sys.argv[1:])

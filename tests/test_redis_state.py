@@ -41,8 +41,8 @@ from plugin.config import RedisSettings, load_settings
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
 from plugin.core.types import Pod
-from plugin.demo.fleet import free_port
-from plugin.demo.redis_server import RedisServer
+from plugin_tools.demo.fleet import free_port
+from plugin_tools.demo.redis_server import RedisServer
 
 WAIT_S = 5.0  # bound of every "until" wait
 SYNC_S = 0.05

@@ -8,14 +8,14 @@ from typing import Any
 import orjson
 import pytest
 
-from plugin.demo.report import (
+from plugin_tools.demo.report import (
     REPLICA_KEYS,
     RequestResult,
     demo_json,
     format_table,
-    percentile,
     summarize,
 )
+from plugin_tools.stats import percentile
 
 SATURATED = {"a100": 300.0, "l20": 150.0, "v100": 50.0}
 

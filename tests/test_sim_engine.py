@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plugin.sim.engine import PRESETS, GpuProfile, SimEngine, SimSeq, parse_fleet
+from plugin_tools.sim.engine import PRESETS, GpuProfile, SimEngine, SimSeq, parse_fleet
 
 
 def drive(engine: SimEngine, seqs: list[SimSeq], limit_s: float = 10_000.0) -> float:

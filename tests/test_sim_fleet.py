@@ -13,11 +13,11 @@ import pytest
 
 from plugin.core.strategies import StrategyParams, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
-from plugin.sim.engine import GpuProfile, parse_fleet
-from plugin.sim.fleet import GatewayModel, simulate
-from plugin.sim.metrics import Slo, attainment, summarize
-from plugin.sim.sweep import Scenario, bisect_rate, run_at, slo_capacities, study
-from plugin.sim.workload import (
+from plugin_tools.sim.engine import GpuProfile, parse_fleet
+from plugin_tools.sim.fleet import GatewayModel, simulate
+from plugin_tools.sim.metrics import Slo, attainment, summarize
+from plugin_tools.sim.sweep import Scenario, bisect_rate, run_at, slo_capacities, study
+from plugin_tools.sim.workload import (
     CHAT,
     Arrivals,
     LogNormalLengths,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from plugin.errors import ConfigError
-from plugin.sim.traces import load_trace, parse_workload
-from plugin.sim.workload import CHAT, Arrivals, MixedLengths, TraceLengths, generate
+from plugin_tools.sim.traces import load_trace, parse_workload
+from plugin_tools.sim.workload import CHAT, Arrivals, MixedLengths, TraceLengths, generate
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"
 

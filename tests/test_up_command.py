@@ -13,9 +13,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from plugin.demo.fleet import free_port
-from plugin.demo.up import UpOptions
 from plugin.errors import ConfigError
+from plugin_tools.demo.fleet import free_port
+from plugin_tools.demo.up import UpOptions
 
 # The issue fixes these keys; spelled out here (not imported) so a change in report.py fails here.
 REPLICA_KEYS = {

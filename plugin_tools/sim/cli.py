@@ -101,12 +101,12 @@ def _floats(raw: str, what: str) -> list[float]:
 def build_scenario(args: argparse.Namespace) -> Any:
     from plugin.core.strategies import StrategyParams
     from plugin.errors import ConfigError
-    from plugin.sim.engine import parse_fleet
-    from plugin.sim.fleet import GatewayModel
-    from plugin.sim.metrics import Slo
-    from plugin.sim.sweep import Scenario
-    from plugin.sim.traces import parse_workload
-    from plugin.sim.workload import Arrivals
+    from plugin_tools.sim.engine import parse_fleet
+    from plugin_tools.sim.fleet import GatewayModel
+    from plugin_tools.sim.metrics import Slo
+    from plugin_tools.sim.sweep import Scenario
+    from plugin_tools.sim.traces import parse_workload
+    from plugin_tools.sim.workload import Arrivals
 
     try:
         profiles = parse_fleet(args.fleet, **_overrides(args.set))
@@ -145,10 +145,13 @@ def build_scenario(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from plugin_tools.extras import require_demo_extra
+
+    require_demo_extra("simulate", ("matplotlib", "tqdm"))
     from tqdm import tqdm
 
-    from plugin.sim.report import UTILIZATION, format_markdown, write_json, write_plots
-    from plugin.sim.sweep import study
+    from plugin_tools.sim.report import UTILIZATION, format_markdown, write_json, write_plots
+    from plugin_tools.sim.sweep import study
 
     scenario = build_scenario(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]

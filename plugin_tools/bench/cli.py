@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from plugin.bench.options import PARTS, BenchOptions
+from plugin_tools.bench.options import PARTS, BenchOptions
 
 # `--quick`: a tiny configuration that checks the command end to end in well under a minute.
 QUICK: dict[str, Any] = {
@@ -188,8 +188,11 @@ def run(args: argparse.Namespace) -> int:
     import platform
     import sys
 
-    from plugin.bench.e2e import run_bench
-    from plugin.bench.render import markdown, write_outputs
+    from plugin_tools.extras import require_demo_extra
+
+    require_demo_extra("bench", ("matplotlib", "tqdm"), envoy=True)
+    from plugin_tools.bench.e2e import run_bench
+    from plugin_tools.bench.render import markdown, write_outputs
 
     opts = options_from_args(args)
     opts.check()

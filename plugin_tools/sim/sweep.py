@@ -15,10 +15,10 @@ from typing import Any
 from plugin.core.strategies import Strategy, build_strategies, strategy_names
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import RoutingFailed
-from plugin.sim.engine import GpuProfile
-from plugin.sim.fleet import GatewayModel, RunResult, replica_names, simulate
-from plugin.sim.metrics import Slo, attainment, summarize
-from plugin.sim.workload import Arrivals, LengthSource, SimRequest, generate
+from plugin_tools.sim.engine import GpuProfile
+from plugin_tools.sim.fleet import GatewayModel, RunResult, replica_names, simulate
+from plugin_tools.sim.metrics import Slo, attainment, summarize
+from plugin_tools.sim.workload import Arrivals, LengthSource, SimRequest, generate
 
 __all__ = [
     "ORACLE",

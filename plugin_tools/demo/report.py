@@ -14,13 +14,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plugin_tools.stats import percentile
+
 __all__ = [
     "LATE_SEND_S",
     "REPLICA_KEYS",
     "RequestResult",
     "demo_json",
     "format_table",
-    "percentile",
     "summarize",
 ]
 
@@ -72,17 +73,6 @@ class RequestResult:
         if self.output_tokens < 2 or self.latency_s is None or self.ttft_s is None:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def percentile(samples: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile (see the module docstring); None when there is no sample."""
-    if not 0.0 < p <= 100.0:
-        raise ValueError(f"percentile must be in (0, 100], got {p}")
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def _ms(value: float | None) -> float | None:

@@ -67,7 +67,10 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from plugin.demo.up import UpOptions, up
+    from plugin_tools.extras import require_demo_extra
+
+    require_demo_extra("up", (), envoy=True)
+    from plugin_tools.demo.up import UpOptions, up
 
     opts = UpOptions(
         demo_s=args.demo,

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plugin.demo.fleet import StartError, free_port
+from plugin_tools.demo.fleet import StartError, free_port
 
 __all__ = ["RedisServer", "redis_server_binary"]
 

@@ -20,7 +20,7 @@ import aiohttp
 import yaml
 
 from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, bootstrap_yaml, envoy_binary
-from plugin.mock_engine.model import PRESETS, EngineParams, saturated_output_tokens_per_s
+from plugin_tools.mock_engine.model import PRESETS, EngineParams, saturated_output_tokens_per_s
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,7 +2,7 @@
 
 Everything in the overhead and streaming parts is reported against the `direct` variant (Envoy
 alone) of the same command: as a ratio (variant / direct) and, for times, as the added
-milliseconds. Percentiles are nearest-rank (`plugin.demo.report.percentile`), so every reported
+milliseconds. Percentiles are nearest-rank (`plugin_tools.stats.percentile`), so every reported
 time is one some request really had.
 """
 
@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.bench.client import Batch, Timing
-from plugin.demo.report import REPLICA_KEYS, percentile
+from plugin_tools.bench.client import Batch, Timing
+from plugin_tools.demo.report import REPLICA_KEYS
+from plugin_tools.stats import percentile
 
 __all__ = [
     "DIRECT",

@@ -29,7 +29,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from plugin.mock_engine.model import (
+from plugin_tools.mock_engine.model import (
     BatchScheduler,
     EngineParams,
     StepResult,

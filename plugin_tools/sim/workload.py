@@ -1,6 +1,7 @@
 """Request streams for the simulator: prompt/output lengths and arrival times, seeded.
 
-Pure: traces come in as rows (loaded by `plugin.sim.traces`), randomness from a `random.Random`.
+Pure: traces come in as rows (loaded by `plugin_tools.sim.traces`), randomness from a
+`random.Random`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from plugin.demo.report import RequestResult
+from plugin_tools.demo.report import RequestResult
 
 __all__ = [
     "MAX_REQUESTS",

@@ -10,10 +10,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from plugin.sim.engine import PRESETS as GPU_PRESETS
+from plugin_tools.sim.engine import PRESETS as GPU_PRESETS
 
 if TYPE_CHECKING:
-    from plugin.mock_engine.model import EngineParams
+    from plugin_tools.mock_engine.model import EngineParams
 
 # flag dest -> EngineParams field; a flag left unset keeps the preset's value.
 _OVERRIDES = (
@@ -87,7 +87,7 @@ def params_from_args(args: argparse.Namespace) -> EngineParams:
     """The preset named by ``--preset`` with every given flag applied; ValueError if invalid."""
     import dataclasses
 
-    from plugin.mock_engine.model import PRESETS
+    from plugin_tools.mock_engine.model import PRESETS
 
     overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k, None) is not None}
     return dataclasses.replace(PRESETS[args.preset], **overrides)
@@ -98,8 +98,8 @@ async def _serve(params: EngineParams, *, host: str, port: int, model: str, name
     import contextlib
     import signal
 
-    from plugin.mock_engine.model import saturated_output_tokens_per_s
-    from plugin.mock_engine.server import start_mock_engine
+    from plugin_tools.mock_engine.model import saturated_output_tokens_per_s
+    from plugin_tools.mock_engine.server import start_mock_engine
 
     try:
         handle = await start_mock_engine(params, host=host, port=port, model=model, name=name)

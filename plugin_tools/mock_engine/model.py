@@ -17,7 +17,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from plugin.sim.engine import PRESETS as GPU_PRESETS
+from plugin_tools.sim.engine import PRESETS as GPU_PRESETS
 
 SeqId: TypeAlias = Hashable
 
@@ -67,7 +67,7 @@ def _check_float(name: str, value: object, *, allow_zero: bool) -> None:
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
-# One table of GPU types for the mock engine and the simulator (plugin.sim.engine): the same
+# One table of GPU types for the mock engine and the simulator (plugin_tools.sim.engine): the same
 # step-cost numbers, so a demo and a simulation of one fleet describe the same hardware.
 PRESETS: dict[str, EngineParams] = {
     name: EngineParams(

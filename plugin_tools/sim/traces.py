@@ -7,7 +7,7 @@ import csv
 from pathlib import Path
 
 from plugin.errors import ConfigError
-from plugin.sim.workload import CHAT, LengthSource, MixedLengths, TraceLengths
+from plugin_tools.sim.workload import CHAT, LengthSource, MixedLengths, TraceLengths
 
 __all__ = ["TRACE_FILES", "Trace", "load_trace", "parse_workload"]
 

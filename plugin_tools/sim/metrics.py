@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.demo.report import percentile as nearest_rank
-from plugin.sim.fleet import RequestRecord, RunResult
+from plugin_tools.sim.fleet import RequestRecord, RunResult
+from plugin_tools.stats import percentile as nearest_rank
 
 __all__ = ["Slo", "attainment", "percentile", "summarize"]
 

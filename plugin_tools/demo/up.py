@@ -16,11 +16,11 @@ import aiohttp
 import orjson
 
 from plugin.core.strategies import strategy_names
-from plugin.demo.fleet import FleetSpec, LocalFleet, process_cpu_seconds
-from plugin.demo.loadgen import LengthDist, Workload, run_open_loop
-from plugin.demo.report import demo_json, format_table, summarize
 from plugin.errors import ConfigError
-from plugin.mock_engine.model import PRESETS
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet, process_cpu_seconds
+from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
+from plugin_tools.demo.report import demo_json, format_table, summarize
+from plugin_tools.mock_engine.model import PRESETS
 
 # Demo lengths. Short prompts: the engines' saturated rate counts decode only, so long prompts
 # would add unmodelled prefill load (with 44-token prompts and 57-token answers prefill took 45%
