@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from plugin.core.pool import EjectionPolicy
-from plugin.core.strategies import StrategyParams, strategy_names
+from plugin.core.strategies import LoadBalanceSettings, strategy_names
 from plugin.errors import ConfigError
 
 T = TypeVar("T", int, float)
@@ -220,7 +220,7 @@ class RedisSettings:
 @dataclass(frozen=True, slots=True)
 class Settings:
     default_strategy: str = "load-balance"
-    strategy: StrategyParams = field(default_factory=StrategyParams)
+    strategy: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
     metric_refresh_interval_s: float = 1.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     pods_file: str | None = None
@@ -380,7 +380,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"ROUTING_ALGORITHM={strategy!r} is not a known strategy "
             f"(known: {', '.join(sorted(strategy_names()))})"
         )
-    params = StrategyParams(
+    params = LoadBalanceSettings(
         queued_weight=_parse(
             env, "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT", float, 0.0, lambda v: v >= 0, "a number >= 0"
         ),

@@ -41,6 +41,17 @@ class BadRequestBody(RequestError):
     header = ("x-error-request-body-processing", "true")
 
 
+class BadRequestHeader(RequestError):
+    """A request header the plugin reads (an SLO target) holds a value it cannot use."""
+
+    status = 400
+    header = ("x-error-request-header-processing", "true")
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.param = name
+
+
 class NoModel(RequestError):
     """The request names no model."""
 

@@ -33,7 +33,7 @@ from plugin.adapters.envoy_config import (
     render_bootstrap,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES, ENV_VARS, Settings, load_settings
-from plugin.core.router import LLM_PATHS
+from plugin.core.request import LLM_PATHS
 from tests.kustomize_lite import KustomizeError, build, resource_id
 
 Obj = dict[str, Any]

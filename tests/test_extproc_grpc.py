@@ -31,7 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
 from plugin.adapters.serve import Gateway
 from plugin.config import Settings, load_settings
-from plugin.core.types import Pod
+from plugin.core.strategies import Admission, Route, Strategy, Wait, build_strategies
+from plugin.core.types import Candidate, Pod, RequestInfo
 
 MODEL = "m"
 WAIT_S = 5.0  # bound of every "until" wait; a passing run waits a few milliseconds
@@ -71,6 +72,7 @@ def request_headers(
     request_id: str | None = "req-1",
     strategy: str | None = None,
     end_of_stream: bool = False,
+    extra: dict[str, str] | None = None,
 ) -> pb.ProcessingRequest:
     headers = {
         ":authority": "localhost:8888",
@@ -84,6 +86,7 @@ def request_headers(
         headers["x-request-id"] = request_id
     if strategy is not None:
         headers["routing-strategy"] = strategy
+    headers.update(extra or {})
     return pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
     )
@@ -762,3 +765,132 @@ async def test_http_metrics_and_readiness(running: Running) -> None:
     }
     assert debug["pods"][key]["routed_total"] == 1
     assert debug["pods"][key]["output_tokens_total"] == COMPLETION_TOKENS
+
+
+# --- a strategy that holds requests ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OnePerPod:
+    """Routes to a pod with nothing in flight; holds the request while every pod is busy."""
+
+    wait_s: float
+    name: str = "one-per-pod"
+
+    def admit(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: Any, now: float
+    ) -> Admission:
+        free = [c for c in candidates if c.running == 0]
+        return Route(free[0]) if free else Wait(deadline=request.arrived_at + self.wait_s)
+
+
+@pytest_asyncio.fixture(params=[30.0])
+async def holding(pods_file: Path, request: pytest.FixtureRequest) -> AsyncIterator[Running]:
+    """A gateway whose default strategy is `OnePerPod` (two pods: the third request waits)."""
+    strategies: dict[str, Strategy] = {
+        **build_strategies(),
+        "one-per-pod": OnePerPod(request.param),
+    }
+    settings = dataclasses.replace(_settings(), default_strategy="one-per-pod")
+    source = StaticFileSource(str(pods_file), poll_s=30.0)
+    gateway = Gateway(settings, source, "127.0.0.1", strategies=strategies)
+    await gateway.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            pods = {p.endpoint: p for p in load_pods_file(str(pods_file))}
+            yield Running(gateway, channel, pb_grpc.ExternalProcessorStub(channel), pods)
+    finally:
+        await gateway.stop()
+
+
+async def _held(r: Running) -> tuple[Stream, asyncio.Task[pb.ProcessingResponse]]:
+    """A third request that the strategy holds: its body reply is pending."""
+    stream = Stream(r.stub)
+    assert await stream.send(request_headers()) == HEADERS_CONTINUE
+    await stream.call.write(request_body(CHAT_BODY))
+    reply = asyncio.ensure_future(stream.call.read())
+    await _eventually(lambda: r.gateway.router.waiting(MODEL) == 1, "the request to be held")
+    assert not reply.done()
+    return stream, reply
+
+
+def _inflight(r: Running) -> dict[str, int]:
+    return {p.key: r.gateway.pool.inflight(p.key) for p in r.pods.values()}
+
+
+async def test_a_held_request_cancelled_by_the_client_leaves_nothing(holding: Running) -> None:
+    first, key1 = await _route(holding)
+    second, key2 = await _route(holding)
+    assert {key1, key2} == {p.key for p in holding.pods.values()}
+    stream, reply = await _held(holding)
+
+    stream.call.cancel()
+
+    await _eventually(lambda: holding.gateway.router.waiting() == 0, "the queue to empty")
+    assert _inflight(holding) == {key1: 1, key2: 1}
+    # The slots the held request waited for free up: nobody takes them any more.
+    for s in (first, second):
+        await s.send(response_headers(200, end_of_stream=True))
+        await s.finish()
+    assert _inflight(holding) == {key1: 0, key2: 0}
+    assert holding.gateway.pool.routed_total(key1) + holding.gateway.pool.routed_total(key2) == 2
+    reply.cancel()
+
+
+async def test_a_released_lease_wakes_a_held_request(holding: Running) -> None:
+    first, key1 = await _route(holding)
+    second, _ = await _route(holding)
+    stream, reply = await _held(holding)
+
+    await first.send(response_headers(200, end_of_stream=True))  # releases key1's slot
+
+    async with asyncio.timeout(WAIT_S):
+        routed = await reply
+    assert routed.WhichOneof("response") == "request_body"
+    target = set_headers(routed.request_body.response.header_mutation)["target-pod"]
+    assert holding.key_of(target) == key1
+    assert holding.gateway.router.waiting() == 0
+    assert holding.gateway.pool.inflight(key1) == 1
+    for s in (stream, second):
+        await s.send(response_headers(200, end_of_stream=True))
+        await s.finish()
+    await first.finish()
+    assert set(_inflight(holding).values()) == {0}
+
+
+@pytest.mark.parametrize("holding", [0.2], indirect=True)
+async def test_a_held_request_past_its_deadline_gets_503(holding: Running) -> None:
+    first, _ = await _route(holding)
+    second, _ = await _route(holding)
+    stream, reply = await _held(holding)
+
+    async with asyncio.timeout(WAIT_S):
+        rejected = await reply
+    assert rejected.immediate_response.status.code == 503
+    assert set_headers(rejected.immediate_response.headers)["x-error-routing"] == b"true"
+    assert holding.gateway.router.waiting() == 0
+    await stream.finish()
+    for s in (first, second):
+        await s.send(response_headers(200, end_of_stream=True))
+        await s.finish()
+    assert set(_inflight(holding).values()) == {0}
+
+
+@pytest.mark.parametrize(
+    ("headers", "param"),
+    [({"x-slo-ttft-ms": "soon"}, "x-slo-ttft-ms"), ({"x-slo-tpot-ms": "-5"}, "x-slo-tpot-ms")],
+    ids=["ttft-not-a-number", "tpot-negative"],
+)
+async def test_a_malformed_slo_header_is_400(
+    running: Running, headers: dict[str, str], param: str
+) -> None:
+    stream = Stream(running.stub)
+    await stream.send(request_headers(extra=headers))
+    reply = await stream.send(request_body(CHAT_BODY))
+    immediate = reply.immediate_response
+    assert immediate.status.code == 400
+    assert set_headers(immediate.headers)["x-error-request-header-processing"] == b"true"
+    error = orjson.loads(immediate.body)["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    await stream.finish()
+    assert set(_inflight(running).values()) == {0}

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from plugin.adapters.scraper import MetricsScraper, parse_engine_metrics
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
-from plugin.core.strategies import StrategyParams, build_strategies
+from plugin.core.strategies import build_strategies
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
 
 MODEL = "m"
@@ -322,7 +322,7 @@ async def test_tick_records_good_pod_and_counts_failing_ones(
     assert engines[fleet.b.key] is None and engines[fleet.c.key] is None
 
     # The request path still decides with the failing pods' fields missing.
-    strategy = build_strategies(StrategyParams())["load-balance"]
+    strategy = build_strategies()["load-balance"]
     picked = strategy.pick(fleet.pool.candidates(MODEL, now), RequestInfo(MODEL), random.Random(0))
     # All idle (score 0); the tie goes to the most free KV, and a missing metric counts as free.
     assert picked.pod in (fleet.b, fleet.c)

@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 import pytest
 
-from plugin.core.strategies import StrategyParams, build_strategies
+from plugin.core.strategies import Picker, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin_tools.sim.engine import GpuProfile, parse_fleet
 from plugin_tools.sim.fleet import GatewayModel, simulate
@@ -51,7 +51,7 @@ def test_every_request_completes_or_is_counted_as_dropped() -> None:
         LogNormalLengths(200, 1.0, 1, 1000), LogNormalLengths(100, 1, 1, 500)
     )
     requests = generate(lengths, Arrivals(), 40.0, 600, random.Random(4))
-    strategy = build_strategies(StrategyParams())["least-request"]
+    strategy = build_strategies()["least-request"]
     result = simulate([profile, profile], strategy, requests, warmup_s=0.0, drain_limit_s=5.0)
     assert len(result.records) == len(requests)
     summary = summarize(result, Slo())
@@ -66,7 +66,7 @@ def test_single_replica_throughput_at_saturation_matches_the_step_model() -> Non
     profile = GpuProfile("sat", 9, 0.12, 0.0, 10_000_000, max_num_seqs=64)
     lengths = SyntheticLengths(LogNormalLengths(1, 0, 1, 1), LogNormalLengths(200, 0, 200, 200))
     requests = generate(lengths, Arrivals(), 100.0, 4000, random.Random(1))  # far above capacity
-    strategy = build_strategies(StrategyParams())["round-robin"]
+    strategy = build_strategies()["round-robin"]
     result = simulate([profile], strategy, requests, warmup_s=5.0)
     measured = result.windows[0].output_tokens / result.window_s
     analytic = 1000 * 64 / (9 + 0.12 * 64)
@@ -88,7 +88,7 @@ def test_random_routing_ceiling_is_about_n_times_the_slowest() -> None:
     assert ceiling == pytest.approx(2 * slowest, rel=0.2)
 
 
-class Spy:
+class Spy(Picker):
     """Records exactly what the simulator hands a strategy."""
 
     name = "spy"

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plugin.core.strategies import (
-    StrategyParams,
+    LoadBalanceSettings,
     build_strategies,
     load_balance_scores,
     strategy_names,
@@ -37,7 +37,7 @@ def cand(
 
 
 def lb(**kw: float) -> object:
-    return build_strategies(StrategyParams(**kw))["load-balance"]
+    return build_strategies(LoadBalanceSettings(**kw))["load-balance"]
 
 
 def test_registry_has_the_strategies() -> None:
@@ -56,9 +56,9 @@ def test_worked_example() -> None:
         cand("l20", running=25, capacity=3000, kv_usage=0.40),
         cand("b100", running=30, capacity=6000, kv_usage=0.50),
     ]
-    scores = load_balance_scores(cands, StrategyParams(kv_pressure_alpha=2.0))
+    scores = load_balance_scores(cands, LoadBalanceSettings(kv_pressure_alpha=2.0))
     assert [round(s, 4) for s in scores] == [0.0099, 0.0110, 0.0075]
-    picked = build_strategies(StrategyParams())["load-balance"].pick(cands, REQ, random.Random(1))
+    picked = build_strategies()["load-balance"].pick(cands, REQ, random.Random(1))
     assert picked.pod.name == "b100"
 
 
@@ -67,19 +67,19 @@ def test_worked_example() -> None:
     [
         pytest.param(
             [cand("a", 10, capacity=100), cand("b", 10, capacity=None)],
-            StrategyParams(kv_pressure_alpha=0),
+            LoadBalanceSettings(kv_pressure_alpha=0),
             [0.1, 0.1],
             id="missing-estimate-gets-mean",
         ),
         pytest.param(
             [cand("a", 10, capacity=100), cand("b", 10, capacity=300), cand("c", 10)],
-            StrategyParams(kv_pressure_alpha=0),
+            LoadBalanceSettings(kv_pressure_alpha=0),
             [0.1, 10 / 300, 0.05],
             id="mean-of-existing-estimates",
         ),
         pytest.param(
             [cand("a", 4, kv_usage=0.5), cand("b", 2, kv_usage=0.0)],
-            StrategyParams(kv_pressure_alpha=2),
+            LoadBalanceSettings(kv_pressure_alpha=2),
             [4 * 1.5, 2.0],
             id="no-estimates-load-times-penalty",
         ),
@@ -88,44 +88,44 @@ def test_worked_example() -> None:
                 cand("a", 5, capacity=10, kv_usage=None),
                 cand("b", 5, capacity=10, kv_usage=math.nan),
             ],
-            StrategyParams(kv_pressure_alpha=2),
+            LoadBalanceSettings(kv_pressure_alpha=2),
             [0.5, 0.5],
             id="missing-or-nan-kv-is-free",
         ),
         pytest.param(
             [cand("a", 5, capacity=10, kv_usage=0.95), cand("b", 5, capacity=10, kv_usage=0.5)],
-            StrategyParams(kv_critical_free=0.10),
+            LoadBalanceSettings(kv_critical_free=0.10),
             [math.inf, 0.5 * 1.5],
             id="below-critical-is-inf",
         ),
         pytest.param(
             [cand("a", 0, capacity=1, kv_usage=0.8), cand("b", 0, capacity=None)],
-            StrategyParams(),
+            LoadBalanceSettings(),
             [0.0, 0.0],
             id="idle-scores-zero",
         ),
         pytest.param(
             [cand("a", 2, capacity=10, waiting=8), cand("b", 2, capacity=10, waiting=None)],
-            StrategyParams(queued_weight=0.5, kv_pressure_alpha=0),
+            LoadBalanceSettings(queued_weight=0.5, kv_pressure_alpha=0),
             [0.6, 0.2],
             id="queued-weight",
         ),
         pytest.param(
             [cand("a", 2, capacity=10, waiting=8)],
-            StrategyParams(queued_weight=0.0, kv_pressure_alpha=0),
+            LoadBalanceSettings(queued_weight=0.0, kv_pressure_alpha=0),
             [0.2],
             id="queued-ignored-when-lambda-zero",
         ),
         pytest.param(
             [cand("a", 2, capacity=10, kv_usage=1.7), cand("b", 2, capacity=10, kv_usage=-1)],
-            StrategyParams(kv_critical_free=0.0, kv_pressure_alpha=1),
+            LoadBalanceSettings(kv_critical_free=0.0, kv_pressure_alpha=1),
             [0.4, 0.2],
             id="kv-clamped-to-0-1",
         ),
     ],
 )
 def test_load_balance_scores(
-    cands: list[Candidate], params: StrategyParams, expected: list[float]
+    cands: list[Candidate], params: LoadBalanceSettings, expected: list[float]
 ) -> None:
     assert load_balance_scores(cands, params) == pytest.approx(expected)
 
@@ -147,14 +147,14 @@ def test_ties_prefer_least_kv_then_random() -> None:
 
 
 def test_least_request_picks_fewest_in_flight_and_breaks_ties_randomly() -> None:
-    strategy = build_strategies(StrategyParams())["least-request"]
+    strategy = build_strategies()["least-request"]
     cands = [cand("a", 3), cand("b", 1), cand("c", 1)]
     picks = Counter(strategy.pick(cands, REQ, random.Random(s)).pod.name for s in range(200))
     assert set(picks) == {"b", "c"}
 
 
 def test_random_covers_every_candidate() -> None:
-    strategy = build_strategies(StrategyParams())["random"]
+    strategy = build_strategies()["random"]
     cands = [cand("a"), cand("b"), cand("c")]
     rng = random.Random(3)
     picks = Counter(strategy.pick(cands, REQ, rng).pod.name for _ in range(300))
@@ -164,7 +164,7 @@ def test_random_covers_every_candidate() -> None:
 @pytest.mark.parametrize("name", sorted(strategy_names()))
 def test_no_candidates_is_routing_failure(name: str) -> None:
     with pytest.raises(RoutingFailed):
-        build_strategies(StrategyParams())[name].pick([], REQ, random.Random(0))
+        build_strategies()[name].pick([], REQ, random.Random(0))
 
 
 cand_st = st.builds(
@@ -181,7 +181,7 @@ cand_st = st.builds(
 def test_scores_are_finite_or_inf_and_pick_is_a_candidate(
     cands: list[Candidate], seed: int
 ) -> None:
-    params = StrategyParams(queued_weight=0.3)
+    params = LoadBalanceSettings(queued_weight=0.3)
     for score in load_balance_scores(cands, params):
         assert score >= 0 and not math.isnan(score)
     for strategy in build_strategies(params).values():
@@ -189,14 +189,14 @@ def test_scores_are_finite_or_inf_and_pick_is_a_candidate(
 
 
 def test_round_robin_takes_candidates_in_turn() -> None:
-    strategy = build_strategies(StrategyParams())["round-robin"]
+    strategy = build_strategies()["round-robin"]
     cands = [cand("a", running=9), cand("b"), cand("c")]
     picks = [strategy.pick(cands, REQ, random.Random(0)).pod.name for _ in range(6)]
     assert picks == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_power_of_two_takes_the_less_loaded_of_two() -> None:
-    strategy = build_strategies(StrategyParams())["power-of-two"]
+    strategy = build_strategies()["power-of-two"]
     cands = [cand("busy", running=50), cand("idle", running=0), cand("mid", running=10)]
     rng = random.Random(1)
     picks = Counter(strategy.pick(cands, REQ, rng).pod.name for _ in range(600))
@@ -227,7 +227,7 @@ def test_load_balance_passes_over_full_batches(
 
 
 def test_reference_load_balance_ignores_batch_caps() -> None:
-    reference = build_strategies(StrategyParams(avoid_full_batches=False))["load-balance"]
+    reference = build_strategies(LoadBalanceSettings(avoid_full_batches=False))["load-balance"]
     cands = [
         cand("a100", running=32, capacity=4000, saturation=32),
         cand("l20", running=40, capacity=1000),
@@ -246,7 +246,7 @@ def test_full_batch_rule_does_not_override_the_kv_guardrail() -> None:
 
 
 def test_round_robin_keeps_a_turn_per_model() -> None:
-    strategy = build_strategies(StrategyParams())["round-robin"]
+    strategy = build_strategies()["round-robin"]
     a = [cand("a0"), cand("a1")]
     b = [cand("b0"), cand("b1")]
     picks = []

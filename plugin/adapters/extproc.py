@@ -1,16 +1,25 @@
-"""The ext_proc gRPC servicer: one `StreamProcessor` per Envoy stream, one method per phase.
+"""The ext_proc gRPC servicer: one processor per Envoy stream, one role per processor type.
+
+Envoy opens a stream per request for each ext_proc filter. The routing filter's stream gets a
+`RoutingProcessor` (request headers, buffered body, response headers, and the response body with
+`--count-mode streamed`); the counting filter's stream, which Envoy runs in observability mode,
+gets a `CountingProcessor`. The first message says which (`observability_mode`).
 
 Only this module builds Envoy protobuf. Decisions come from `Router` (pure); token counting from
-`UsageScanner` (pure). Whatever ends the stream (response end, client cancel, reset, error), the
-in-flight slot is released exactly once in `close()`.
+`ResponseTokens` around the pure `UsageScanner`. A request its strategy holds makes `handle`
+return an awaitable instead of a reply; the servicer awaits it, so a held request costs a parked
+coroutine, not a thread. Whatever ends the stream (response end, client cancel, reset, error),
+`close()` releases the in-flight slot exactly once, and a held request leaves its queue.
+`docs/architecture.md` follows one request through.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -20,16 +29,37 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin.adapters.steering import DESTINATION_HEADER, LB_METADATA_NAMESPACE, TARGET_POD_HEADER
-from plugin.core.router import LLM_PATHS, MODELS_PATH, Decision, Router, models_list, parse_request
+from plugin.core.request import (
+    LLM_PATHS,
+    MODELS_PATH,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+    models_list,
+    parse_request,
+    parse_slo,
+)
+from plugin.core.router import Decision, Router, Waiter
 from plugin.core.types import Pod
 from plugin.core.usage import UsageScanner
 from plugin.errors import BadRequestBody, RequestError, error_reply
+
+__all__ = [
+    "CountingProcessor",
+    "ErrorCounts",
+    "ExtProcServicer",
+    "Processor",
+    "ResponseTokens",
+    "RoutingProcessor",
+    "immediate_response",
+]
 
 log = logging.getLogger(__name__)
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON_HEADERS = (("content-type", "application/json"),)
-_WANTED = frozenset({":path", ":method", "routing-strategy", "x-request-id"})
+_WANTED = frozenset(
+    {":path", ":method", "routing-strategy", "x-request-id", SLO_TTFT_HEADER, SLO_TPOT_HEADER}
+)
 
 # Replies that carry nothing are built once and reused.
 # The steering headers are the plugin's to set: one a client sent is removed on every request,
@@ -84,6 +114,10 @@ def _status(msg: pb.HttpHeaders) -> int:
     return 0
 
 
+def _value(h: base_pb2.HeaderValue) -> str:
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
+
+
 class ErrorCounts:
     """Errors the plugin answered itself, by (status, error class); read by /metrics."""
 
@@ -97,19 +131,55 @@ class ErrorCounts:
         self.counts[key] = self.counts.get(key, 0) + 1
 
 
-class StreamProcessor:
-    """State of one HTTP request's ext_proc stream."""
+class ResponseTokens:
+    """The output tokens of one response, from its status and body chunks.
+
+    Only a 200 is scanned: an error body carries no usage worth crediting. The scanner is made
+    on the first body chunk, so a stream that never sees the body allocates none.
+    """
+
+    __slots__ = ("_scanner", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self._scanner: UsageScanner | None = None
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        if self.status != 200:
+            return
+        scanner = self._scanner
+        if scanner is None:
+            scanner = self._scanner = UsageScanner()
+        scanner.feed(chunk, end_of_stream)
+
+    def output_tokens(self) -> int:
+        return 0 if self._scanner is None else self._scanner.output_tokens()
+
+
+# What a processor answers one message with: a reply, an awaitable one (a held request), none.
+Reply: TypeAlias = "pb.ProcessingResponse | Awaitable[pb.ProcessingResponse] | None"
+
+
+class Processor(Protocol):
+    """One Envoy stream's state: a reply (or an awaitable one, or none) per message."""
+
+    def handle(self, req: pb.ProcessingRequest) -> Reply: ...
+
+    def close(self) -> None: ...
+
+
+class RoutingProcessor:
+    """The routing filter's stream: route the request, hold its lease until the response ends."""
 
     __slots__ = (
+        "_arrived_at",
         "_body_parts",
-        "_counted",
         "_decision",
         "_errors",
         "_headers",
         "_passthrough",
         "_router",
-        "_scanner",
-        "_upstream_status",
+        "_tokens",
     )
 
     def __init__(self, router: Router, errors: ErrorCounts) -> None:
@@ -119,19 +189,14 @@ class StreamProcessor:
         self._passthrough = False
         self._body_parts: list[bytes] = []
         self._decision: Decision | None = None
-        self._counted: Pod | None = None  # counting filter: the pod whose tokens it counts
-        self._scanner: UsageScanner | None = None
-        self._upstream_status = 0
+        self._tokens = ResponseTokens()
+        self._arrived_at = 0.0
 
     @property
     def decision(self) -> Decision | None:
         return self._decision
 
-    def handle(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
-        """The reply to one message; None for the counting filter, whose messages get none."""
-        if req.observability_mode:
-            self._observe(req)
-            return None
+    def handle(self, req: pb.ProcessingRequest) -> Reply:
         phase = req.WhichOneof("request")
         if phase == "response_body":
             return self._on_response_body(req.response_body)
@@ -153,10 +218,11 @@ class StreamProcessor:
         return immediate_response(err)
 
     def _on_request_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        self._arrived_at = self._router.now()
         headers = self._headers
         for h in msg.headers.headers:
             if h.key in _WANTED:
-                headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+                headers[h.key] = _value(h)
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "POST")
         if path == MODELS_PATH and method == "GET":
@@ -170,7 +236,7 @@ class StreamProcessor:
             return self._fail(BadRequestBody("request body is empty"))
         return _CONTINUE_REQUEST_HEADERS
 
-    def _on_request_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    def _on_request_body(self, msg: pb.HttpBody) -> Reply:
         if self._passthrough or self._decision is not None:
             return _CONTINUE_REQUEST_BODY  # routed once; a stray later body must not route again
         self._body_parts.append(msg.body)
@@ -178,12 +244,54 @@ class StreamProcessor:
             return _CONTINUE_REQUEST_BODY  # BUFFERED sends one message; be safe with more
         body = b"".join(self._body_parts)
         self._body_parts = []
-        request_id = self._headers.get("x-request-id") or uuid.uuid4().hex
+        headers = self._headers
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            strategy = self._router.strategy_for(self._headers.get("routing-strategy"))
-            decision = self._router.route(parse_request(body, request_id), strategy)
+            strategy = self._router.strategy_for(headers.get("routing-strategy"))
+            slo = parse_slo(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER))
+            request = parse_request(body, request_id, arrived_at=self._arrived_at, slo=slo)
+            outcome = self._router.admit(request, strategy)
         except RequestError as err:
             return self._fail(err)
+        if isinstance(outcome, Waiter):
+            return self._held(outcome)
+        return self._routed(outcome)
+
+    async def _held(self, waiter: Waiter) -> pb.ProcessingResponse:
+        """Park until the router grants or rejects the request, or its deadline passes.
+
+        Cancellation (the client went away, Envoy reset the stream) lands here as
+        CancelledError; `cancel()` then takes the request out of its queue and gives back a
+        lease it was granted but never took.
+        """
+        router = self._router
+        loop = asyncio.get_running_loop()
+        try:
+            while not waiter.done:
+                woken = loop.create_future()
+
+                def notify(fut: asyncio.Future[None] = woken) -> None:
+                    if not fut.done():
+                        fut.set_result(None)
+
+                waiter.notify = notify
+                delay = waiter.deadline - router.now()
+                if delay > 0:
+                    try:
+                        async with asyncio.timeout(delay):
+                            await woken
+                    except TimeoutError:
+                        pass
+                if not waiter.done:
+                    router.expire(waiter)  # granted, rejected, or a later deadline
+            decision = waiter.result()
+        except RequestError as err:
+            return self._fail(err)
+        finally:
+            waiter.cancel()  # a no-op once the decision is taken
+        return self._routed(decision)
+
+    def _routed(self, decision: Decision) -> pb.ProcessingResponse:
         self._decision = decision
         endpoint = decision.lease.pod.endpoint
         mutation = pb.HeaderMutation(
@@ -191,7 +299,7 @@ class StreamProcessor:
                 _header(TARGET_POD_HEADER, endpoint),
                 _header(DESTINATION_HEADER, endpoint),
                 _header("routing-strategy", decision.strategy),
-                _header("x-request-id", request_id),
+                _header("x-request-id", decision.request.request_id),
             ]
         )
         metadata = struct_pb2.Struct()
@@ -207,7 +315,7 @@ class StreamProcessor:
         decision = self._decision
         if decision is None:
             return _CONTINUE_RESPONSE_HEADERS
-        self._upstream_status = _status(msg)
+        self._tokens.status = _status(msg)
         if msg.end_of_stream:
             self.close()
         pod = decision.lease.pod
@@ -226,60 +334,57 @@ class StreamProcessor:
         )
 
     def _on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        # Only with --count-mode streamed does the routing filter get the body; the scanner is
-        # made on the first chunk so the default wiring allocates none per request. Only a 200
-        # is scanned: an error body carries no usage worth crediting.
-        if self._decision is None or self._upstream_status != 200:
-            return _CONTINUE_RESPONSE_BODY
-        scanner = self._scanner
-        if scanner is None:
-            scanner = self._scanner = UsageScanner()
-        scanner.feed(msg.body, msg.end_of_stream)
-        if msg.end_of_stream:
-            self.close()
+        # Only with --count-mode streamed does the routing filter get the body.
+        if self._decision is not None:
+            self._tokens.feed(msg.body, msg.end_of_stream)
+            if msg.end_of_stream:
+                self.close()
         return _CONTINUE_RESPONSE_BODY
-
-    def _observe(self, req: pb.ProcessingRequest) -> None:
-        """The counting filter's stream: find the pod from `target-pod`, count its tokens.
-
-        Envoy does not wait for this stream, and the routing filter's stream (which holds the
-        in-flight lease) lives until the response ends, so counting here only credits tokens.
-        """
-        phase = req.WhichOneof("request")
-        if phase == "response_body":
-            scanner = self._scanner
-            if scanner is not None:
-                scanner.feed(req.response_body.body, req.response_body.end_of_stream)
-                if req.response_body.end_of_stream:
-                    self._credit()
-        elif phase == "request_headers":
-            for h in req.request_headers.headers.headers:
-                if h.key == TARGET_POD_HEADER:
-                    endpoint = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-                    self._counted = self._router.pool.pod_by_endpoint(endpoint)
-                    break
-        elif phase == "response_headers" and self._counted is not None:
-            self._upstream_status = _status(req.response_headers)
-            if self._upstream_status == 200:  # an error body is not scanned
-                self._scanner = UsageScanner()
-
-    def _credit(self) -> None:
-        pod, scanner = self._counted, self._scanner
-        self._counted = None  # once
-        if pod is not None and scanner is not None:  # a scanner exists only for a 200
-            self._router.pool.credit_tokens(pod.key, scanner.output_tokens())
 
     def close(self) -> None:
         """Release the in-flight slot once, crediting the tokens counted so far."""
-        if self._counted is not None:
-            self._credit()
-            return
         decision = self._decision
         if decision is None or decision.lease.released:
             return
-        scanner = self._scanner
-        tokens = 0 if scanner is None else scanner.output_tokens()  # only a 200 has one
-        decision.lease.release(tokens, self._upstream_status, self._router.now())
+        tokens = self._tokens
+        decision.lease.release(tokens.output_tokens(), tokens.status, self._router.now())
+
+
+class CountingProcessor:
+    """The counting filter's stream (observability mode): credit a response's output tokens.
+
+    The pod comes from the `target-pod` header the routing filter set. Envoy does not wait for
+    this stream and it gets no replies; the routing stream holds the in-flight lease, so
+    counting here only credits tokens, once, when the body ends or the stream closes.
+    """
+
+    __slots__ = ("_pod", "_router", "_tokens")
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self._pod: Pod | None = None
+        self._tokens = ResponseTokens()
+
+    def handle(self, req: pb.ProcessingRequest) -> None:
+        phase = req.WhichOneof("request")
+        if phase == "response_body":
+            body = req.response_body
+            self._tokens.feed(body.body, body.end_of_stream)
+            if body.end_of_stream:
+                self.close()
+        elif phase == "request_headers":
+            for h in req.request_headers.headers.headers:
+                if h.key == TARGET_POD_HEADER:
+                    self._pod = self._router.pool.pod_by_endpoint(_value(h))
+                    break
+        elif phase == "response_headers" and self._pod is not None:
+            self._tokens.status = _status(req.response_headers)
+
+    def close(self) -> None:
+        pod = self._pod
+        self._pod = None  # once
+        if pod is not None:
+            self._router.pool.credit_tokens(pod.key, self._tokens.output_tokens())
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -287,16 +392,27 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.router = router
         self.errors = ErrorCounts()
 
+    def processor_for(self, first: pb.ProcessingRequest) -> Processor:
+        if first.observability_mode:
+            return CountingProcessor(self.router)
+        return RoutingProcessor(self.router, self.errors)
+
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        processor = StreamProcessor(self.router, self.errors)
+        processor: Processor | None = None
         try:
             async for req in request_iterator:
+                if processor is None:
+                    processor = self.processor_for(req)
                 reply = processor.handle(req)
-                if reply is not None:
-                    yield reply
+                if reply is None:
+                    continue
+                if not isinstance(reply, pb.ProcessingResponse):
+                    reply = await reply  # a held request: wait for its admission
+                yield reply
         finally:
-            processor.close()
+            if processor is not None:
+                processor.close()

@@ -8,7 +8,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -25,7 +25,7 @@ from plugin.config import Settings
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.router import Router
-from plugin.core.strategies import build_strategies
+from plugin.core.strategies import Strategy, build_strategies
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
@@ -95,7 +95,15 @@ def build_source(settings: Settings) -> PodSource:
 class Gateway:
     """A running plugin: gRPC ext_proc + health, HTTP endpoints, discovery and scraping."""
 
-    def __init__(self, settings: Settings, source: PodSource, host: str = "0.0.0.0") -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        source: PodSource,
+        host: str = "0.0.0.0",
+        strategies: Mapping[str, Strategy] | None = None,
+    ) -> None:
+        """`strategies` replaces the registered ones (built from `settings`) when given: an
+        embedding program, or a test, can route with strategies of its own."""
         self.settings = settings
         self.source = source
         self.host = host
@@ -106,7 +114,7 @@ class Gateway:
         )
         self.router = Router(
             self.pool,
-            build_strategies(settings.strategy),
+            build_strategies(settings.strategy) if strategies is None else strategies,
             settings.default_strategy,
             random.Random(),
             time.monotonic,

@@ -19,7 +19,7 @@ Several gateways (shared state): a sync loop outside the core feeds two things i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ class Lease:
         if self.released:
             return False
         self.released = True
-        self._pool._on_release(self.key, output_tokens, status, now)
+        self._pool._on_release(self.pod, output_tokens, status, now)
         return True
 
 
@@ -103,6 +103,8 @@ class PodPool:
         "_shared_tokens",
         "_unpublished",
         "loaded",
+        "on_change",
+        "on_release",
     )
 
     def __init__(
@@ -131,6 +133,11 @@ class PodPool:
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
         self._shared_seen: dict[str, int] = {}  # each shared counter at the previous read
         self.loaded = False  # True once discovery delivered its first list
+        # Told after every lease release (the router wakes requests held for that model), and
+        # after anything else that may let a held request in: new pods, a scrape tick (metrics
+        # and capacity), other gateways' counts.
+        self.on_release: Callable[[Pod], None] | None = None
+        self.on_change: Callable[[], None] | None = None
 
     # discovery -------------------------------------------------------------------------------
     def set_pods(self, pods: Iterable[Pod]) -> None:
@@ -155,6 +162,11 @@ class PodPool:
         self._by_model = by_model
         self._by_endpoint = {p.endpoint: p for p in new.values()}
         self.loaded = True
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def pods(self) -> list[Pod]:
         return list(self._pods.values())
@@ -219,18 +231,20 @@ class PodPool:
         else:
             self._capacity.add_tokens(key, tokens)
 
-    def _on_release(self, key: str, output_tokens: int, status: int, now: float | None) -> None:
+    def _on_release(self, pod: Pod, output_tokens: int, status: int, now: float | None) -> None:
+        key = pod.key
         left = self._inflight.get(key, 0) - 1
         if left > 0:
             self._inflight[key] = left
         else:
             self._inflight.pop(key, None)
-        if key not in self._pods:
-            return  # removed while in flight: its state is gone, do not resurrect it
-        if output_tokens > 0:
-            self._credit(key, output_tokens)
-        if status and now is not None:
-            self._record_outcome(key, status >= 500, now)
+        if key in self._pods:  # else removed while in flight: do not resurrect its state
+            if output_tokens > 0:
+                self._credit(key, output_tokens)
+            if status and now is not None:
+                self._record_outcome(key, status >= 500, now)
+        if self.on_release is not None:
+            self.on_release(pod)  # a freed slot may let a held request in
 
     def _record_outcome(self, key: str, failed: bool, now: float) -> None:
         h = self._health.get(key)
@@ -304,12 +318,15 @@ class PodPool:
                 self._saturation[key] = (max(cap + 1, math.ceil(cap * 1.25)), now)
 
     def refresh_capacity(self, now: float) -> None:
+        """End of a scrape tick: capacity estimates move on, and the metrics just read count."""
         self._capacity.refresh(now)
+        self._changed()
 
     # shared state (several gateways) ---------------------------------------------------------
     def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
         """Other gateways' in-flight counts per pod key (replaces the previous view)."""
         self._remote = {k: v for k, v in counts.items() if v > 0}
+        self._changed()
 
     @property
     def shared_tokens(self) -> bool:

@@ -1,49 +1,32 @@
-"""From a request's headers and body to a lease on one pod: the decision, without protobuf."""
+"""From a parsed request to a lease on one pod, now or later: the decision, without protobuf.
+
+`Router.admit` asks the request's strategy once. `Route` takes the in-flight lease at once and
+returns a `Decision`; `Reject` raises its error; `Wait` parks the request as a `Waiter` in its
+model's queue (first come, first asked). Whenever a lease is released or the pool changes (new
+pods, a scrape tick, other gateways' counts; the pool tells the router), the waiting requests of
+that model (or of all models) are asked again in arrival order; at a waiter's deadline the
+adapter calls `expire`, which asks once more and then rejects. A waiter tells its owner through
+`notify` (the ext_proc adapter resolves an asyncio future with it) and the owner takes the
+outcome with `result()`.
+If the owner goes away first (the client cancelled), `cancel()` takes the waiter out of the
+queue and gives back a lease it was granted but never took: nothing leaks.
+
+The router never sleeps and never reads a clock of its own: time comes from the injected clock,
+and waiting is the adapter's business. `docs/architecture.md` draws the whole path.
+"""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import orjson
-
 from plugin.core.pool import Lease, PodPool
-from plugin.core.strategies import Strategy
-from plugin.core.types import RequestInfo
-from plugin.errors import BadRequestBody, NoModel, UnknownStrategy
+from plugin.core.strategies import Reject, Route, Strategy, Wait
+from plugin.core.types import Pod, RequestInfo
+from plugin.errors import RequestError, RoutingFailed, UnknownStrategy
 
-__all__ = ["LLM_PATHS", "MODELS_PATH", "Decision", "Router", "models_list", "parse_request"]
-
-# Paths whose JSON body names a model and whose response reports usage; others pass through.
-LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-# Answered by the gateway itself from discovery (OpenAI's model list).
-MODELS_PATH = "/v1/models"
-
-
-def models_list(models: Iterable[str]) -> bytes:
-    """OpenAI's `GET /v1/models` body for the models discovery knows."""
-    data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "hetero-gateway"} for m in models
-    ]
-    return orjson.dumps({"object": "list", "data": data})
-
-
-def parse_request(body: bytes, request_id: str = "") -> RequestInfo:
-    """Read what routing needs from an OpenAI-style body; raise the request error otherwise."""
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise BadRequestBody("request body is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise BadRequestBody("request body must be a JSON object")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise NoModel()
-    stream = doc.get("stream") is True
-    options = doc.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    return RequestInfo(model, stream, include_usage, len(body), request_id)
+__all__ = ["Decision", "Router", "Waiter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +36,73 @@ class Decision:
     request: RequestInfo
 
 
+class Waiter:
+    """A request held by its strategy until it can be routed, rejected, or its deadline passes."""
+
+    __slots__ = (
+        "_cancelled",
+        "_decision",
+        "_error",
+        "_router",
+        "_taken",
+        "deadline",
+        "notify",
+        "on_timeout",
+        "request",
+        "strategy",
+    )
+
+    def __init__(
+        self, router: Router, request: RequestInfo, strategy: Strategy, wait: Wait
+    ) -> None:
+        self._router = router
+        self.request = request
+        self.strategy = strategy
+        self.deadline = wait.deadline
+        self.on_timeout = wait.timeout_error()
+        self._decision: Decision | None = None
+        self._error: RequestError | None = None
+        self._taken = False
+        self._cancelled = False
+        # Called once when the outcome is known (granted or rejected); the owner then calls
+        # `result()`. Set by the owner; the default does nothing.
+        self.notify: Callable[[], None] = _nothing
+
+    @property
+    def done(self) -> bool:
+        """True once granted a lease, rejected or cancelled: nothing will ask for it again."""
+        return self._decision is not None or self._error is not None or self._cancelled
+
+    def result(self) -> Decision:
+        """The granted decision (the caller now owns its lease); raises the rejection."""
+        if self._error is not None:
+            raise self._error
+        if self._decision is None:
+            raise RuntimeError("the waiter has no outcome yet")
+        self._taken = True
+        return self._decision
+
+    def cancel(self) -> None:
+        """The owner gives up: leave the queue; a granted lease not taken is released."""
+        self._cancelled = True
+        self._router._forget(self)
+        if self._decision is not None and not self._taken:
+            self._taken = True
+            self._decision.lease.release()
+
+    def _settle(self, decision: Decision | None, error: RequestError | None) -> None:
+        self._decision, self._error = decision, error
+        self.notify()
+
+
+def _nothing() -> None:
+    return None
+
+
 class Router:
     """Chooses a pod for a request with the named (or default) strategy."""
 
-    __slots__ = ("_clock", "_default", "_rng", "_strategies", "pool")
+    __slots__ = ("_clock", "_default", "_rng", "_strategies", "_waiting", "_waking", "pool")
 
     def __init__(
         self,
@@ -73,6 +119,10 @@ class Router:
         self._default = default_strategy
         self._rng = rng
         self._clock = clock
+        self._waiting: dict[str, list[Waiter]] = {}  # model -> waiters in arrival order
+        self._waking: set[str] = set()  # models being woken (no re-entry)
+        pool.on_release = self._on_release
+        pool.on_change = self.wake
 
     def now(self) -> float:
         return self._clock()
@@ -87,7 +137,102 @@ class Router:
             raise UnknownStrategy(name)
         return strategy
 
+    def admit(self, request: RequestInfo, strategy: Strategy) -> Decision | Waiter:
+        """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error."""
+        now = self._clock()
+        answer = strategy.admit(self.pool.candidates(request.model, now), request, self._rng, now)
+        if type(answer) is Route:
+            return Decision(self.pool.acquire(answer.candidate.pod), strategy.name, request)
+        if type(answer) is Reject:
+            raise answer.error
+        if type(answer) is Wait:
+            waiter = Waiter(self, request, strategy, answer)
+            self._waiting.setdefault(request.model, []).append(waiter)
+            return waiter
+        raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+
     def route(self, request: RequestInfo, strategy: Strategy) -> Decision:
-        candidates = self.pool.candidates(request.model, self._clock())
-        chosen = strategy.pick(candidates, request, self._rng)
-        return Decision(self.pool.acquire(chosen.pod), strategy.name, request)
+        """Admit for a caller that cannot wait (the simulator): a `Wait` is a routing failure."""
+        outcome = self.admit(request, strategy)
+        if isinstance(outcome, Waiter):
+            outcome.cancel()
+            raise RoutingFailed(
+                f"strategy {strategy.name} held the request; this caller cannot wait"
+            )
+        return outcome
+
+    # waiting ---------------------------------------------------------------------------------
+    def waiting(self, model: str | None = None) -> int:
+        """Requests held, for one model or all."""
+        if model is not None:
+            return len(self._waiting.get(model, ()))
+        return sum(len(q) for q in self._waiting.values())
+
+    def wake(self, model: str | None = None) -> None:
+        """Ask the waiting requests of `model` (or of every model) again, oldest first."""
+        if not self._waiting:
+            return
+        for m in [model] if model is not None else list(self._waiting):
+            self._wake_model(m)
+
+    def expire(self, waiter: Waiter) -> None:
+        """The waiter's deadline came: ask once more; a later deadline keeps it waiting, else
+        it is rejected with its timeout error."""
+        if waiter.done:
+            return
+        self._ask(waiter, final=True)
+
+    def _on_release(self, pod: Pod) -> None:
+        if self._waiting:
+            self._wake_model(pod.model)
+
+    def _wake_model(self, model: str) -> None:
+        queue = self._waiting.get(model)
+        if not queue or model in self._waking:
+            return
+        self._waking.add(model)
+        try:
+            for waiter in list(queue):
+                if not waiter.done:
+                    self._ask(waiter, final=False)
+        finally:
+            self._waking.discard(model)
+
+    def _ask(self, waiter: Waiter, final: bool) -> None:
+        now = self._clock()
+        strategy = waiter.strategy
+        try:
+            candidates = self.pool.candidates(waiter.request.model, now)
+            answer = strategy.admit(candidates, waiter.request, self._rng, now)
+        except RequestError as err:  # the model lost its pods while the request waited
+            self._forget(waiter)
+            waiter._settle(None, err)
+            return
+        if type(answer) is Route:
+            self._forget(waiter)
+            lease = self.pool.acquire(answer.candidate.pod)
+            waiter._settle(Decision(lease, strategy.name, waiter.request), None)
+        elif type(answer) is Reject:
+            self._forget(waiter)
+            waiter._settle(None, answer.error)
+        elif type(answer) is Wait:
+            waiter.on_timeout = answer.timeout_error()
+            if answer.deadline > now or not final:
+                waiter.deadline = answer.deadline
+            else:
+                self._forget(waiter)
+                waiter._settle(None, waiter.on_timeout)
+        else:
+            raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+
+    def _forget(self, waiter: Waiter) -> None:
+        model = waiter.request.model
+        queue = self._waiting.get(model)
+        if queue is None:
+            return
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return
+        if not queue:
+            del self._waiting[model]

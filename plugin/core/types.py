@@ -55,11 +55,30 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class SloTarget:
+    """Latency targets a client asked for (`x-slo-ttft-ms`, `x-slo-tpot-ms`), in seconds."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestInfo:
-    """What the gateway knows of a request when it routes it."""
+    """What the gateway knows of a request when it routes it (`plugin.core.request` builds it).
+
+    Prompt sizes are what the body holds: characters of its text parts and the tokenizer's
+    estimate of their tokens (token-id prompts count exactly). `max_tokens` is the body's
+    `max_completion_tokens` or `max_tokens`, None when absent. `arrived_at` is clock time when
+    the request's headers reached the gateway.
+    """
 
     model: str
     stream: bool = False
     include_usage: bool = False
     body_bytes: int = 0
     request_id: str = ""
+    prompt_chars: int = 0
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
+    slo: SloTarget | None = None
+    arrived_at: float = 0.0

@@ -99,7 +99,7 @@ def _floats(raw: str, what: str) -> list[float]:
 
 
 def build_scenario(args: argparse.Namespace) -> Any:
-    from plugin.core.strategies import StrategyParams
+    from plugin.core.strategies import LoadBalanceSettings
     from plugin.errors import ConfigError
     from plugin_tools.sim.engine import parse_fleet
     from plugin_tools.sim.fleet import GatewayModel
@@ -135,7 +135,7 @@ def build_scenario(args: argparse.Namespace) -> Any:
         GatewayModel(
             scrape_interval_s=args.scrape_interval,
             metrics_delay_s=args.metrics_delay,
-            params=StrategyParams(queued_weight=args.queued_weight),
+            params=LoadBalanceSettings(queued_weight=args.queued_weight),
         ),
         measured_requests=args.requests,
         warmup_s=args.warmup,

@@ -18,7 +18,7 @@ from typing import Any
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Router
-from plugin.core.strategies import Strategy, StrategyParams
+from plugin.core.strategies import LoadBalanceSettings, Strategy
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
 from plugin_tools.sim.engine import GpuProfile, SimEngine, SimSeq
 from plugin_tools.sim.workload import SimRequest
@@ -37,7 +37,7 @@ class GatewayModel:
     metrics_max_age_intervals: int = 3
     capacity_window_s: float = 60.0
     capacity_tau_s: float = 10.0
-    params: StrategyParams = field(default_factory=StrategyParams)
+    params: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from plugin.core.strategies import Strategy, build_strategies, strategy_names
+from plugin.core.strategies import Picker, Strategy, build_strategies, strategy_names
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import RoutingFailed
 from plugin_tools.sim.engine import GpuProfile
@@ -39,7 +39,7 @@ REFERENCE = "load-balance-reference"
 
 
 @dataclass(frozen=True, slots=True)
-class CapacityWeighted:
+class CapacityWeighted(Picker):
     """Oracle baseline: random, weighted by each replica's true capacity (given, not learned)."""
 
     weights: Mapping[str, float]  # pod name -> capacity

@@ -1,0 +1,47 @@
+"""Routing strategies, registered by name so new ones plug in without touching the server.
+
+`base` is the seam (what a strategy sees and answers, the registry); each other module holds
+strategies and registers them on import. Adding one: a module here, imported below
+(`docs/architecture.md`).
+"""
+
+from plugin.core.strategies import load_balance, simple
+from plugin.core.strategies.base import (
+    Admission,
+    Picker,
+    Reject,
+    Route,
+    Strategy,
+    Wait,
+    build_strategies,
+    register_strategy,
+    settings_type,
+    strategy_names,
+)
+from plugin.core.strategies.load_balance import (
+    LoadBalance,
+    LoadBalanceSettings,
+    kv_free,
+    load_balance_scores,
+    with_room,
+)
+
+__all__ = [
+    "Admission",
+    "LoadBalance",
+    "LoadBalanceSettings",
+    "Picker",
+    "Reject",
+    "Route",
+    "Strategy",
+    "Wait",
+    "build_strategies",
+    "kv_free",
+    "load_balance",
+    "load_balance_scores",
+    "register_strategy",
+    "settings_type",
+    "simple",
+    "strategy_names",
+    "with_room",
+]

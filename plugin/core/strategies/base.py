@@ -1,0 +1,159 @@
+"""The strategy seam: what a strategy sees, what it may answer, and the registry that builds it.
+
+A strategy sees the `Candidate`s of the request's model (what this gateway observes of each
+routable pod), the `RequestInfo`, a seeded `random.Random` and the clock's `now`, and answers
+with an `Admission`:
+
+- `Route(candidate)`: send the request there now (the router takes the in-flight lease);
+- `Reject(error)`: answer the client with that error;
+- `Wait(deadline)`: hold the request. The router asks again whenever a lease is released or the
+  pool changes, and once more at `deadline`; a `Wait` whose deadline has passed rejects with
+  `on_timeout`. The ext_proc stream awaits the answer without blocking anything else.
+
+Strategies register by name with the type of their own settings; `build_strategies` hands each
+the instance of that type it was given (`plugin.config` builds them from the environment), or the
+type's defaults. `docs/architecture.md` says how to add one.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from plugin.core.types import Candidate, RequestInfo
+from plugin.errors import RequestError, RoutingFailed
+
+__all__ = [
+    "Admission",
+    "Picker",
+    "Reject",
+    "Route",
+    "Strategy",
+    "Wait",
+    "build_strategies",
+    "register_strategy",
+    "require_candidates",
+    "settings_type",
+    "strategy_names",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Admit now, to this candidate."""
+
+    candidate: Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    """Do not route: the client gets this error."""
+
+    error: RequestError
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Hold the request until woken (a lease released, the pool changed) or until `deadline`.
+
+    `deadline` is clock time (the `now` the strategy was given). At the deadline the strategy
+    is asked once more; if it answers `Wait` again with a deadline that has passed, the request
+    is rejected with `on_timeout`, and with a later one it keeps waiting. So derive deadlines
+    from `request.arrived_at` (or a budget the request carries), not from `now`, or the wait
+    only ends when Envoy's ext_proc message timeout gives up on the stream.
+    """
+
+    deadline: float
+    on_timeout: RequestError | None = None
+
+    def timeout_error(self) -> RequestError:
+        return self.on_timeout or RoutingFailed("no replica could take the request in time")
+
+
+Admission = Route | Reject | Wait
+
+
+class Strategy(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def admit(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
+    ) -> Admission: ...
+
+
+class Picker(ABC):
+    """A strategy that never holds a request: it only picks among the candidates."""
+
+    __slots__ = ()
+    name: str
+
+    def admit(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
+    ) -> Admission:
+        return Route(self.pick(candidates, request, rng))
+
+    @abstractmethod
+    def pick(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
+    ) -> Candidate: ...
+
+
+F = TypeVar("F", bound=Callable[..., Strategy])
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    factory: Callable[..., Strategy]
+    settings: type[Any] | None
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_strategy(name: str, settings: type[Any] | None = None) -> Callable[[F], F]:
+    """Register a factory under `name`; it is called with an instance of `settings` (if any)."""
+
+    def deco(factory: F) -> F:
+        if name in _REGISTRY:
+            raise ValueError(f"strategy {name} registered twice")
+        _REGISTRY[name] = _Entry(factory, settings)
+        return factory
+
+    return deco
+
+
+def strategy_names() -> frozenset[str]:
+    return frozenset(_REGISTRY)
+
+
+def settings_type(name: str) -> type[Any] | None:
+    """The settings type a strategy takes (None: it has no settings)."""
+    return _REGISTRY[name].settings
+
+
+def build_strategies(*settings: object) -> dict[str, Strategy]:
+    """Every registered strategy, each with its own settings from `settings` (else defaults).
+
+    A settings object that no strategy takes is a programming error (ValueError).
+    """
+    given = {type(s): s for s in settings}
+    wanted = {e.settings for e in _REGISTRY.values()}
+    unused = [t.__name__ for t in given if t not in wanted]
+    if unused:
+        raise ValueError(f"no strategy takes settings of type {', '.join(unused)}")
+    built: dict[str, Strategy] = {}
+    for name, entry in _REGISTRY.items():
+        if entry.settings is None:
+            built[name] = entry.factory()
+        else:
+            built[name] = entry.factory(given.get(entry.settings) or entry.settings())
+    return built
+
+
+def require_candidates(candidates: Sequence[Candidate]) -> None:
+    if not candidates:
+        raise RoutingFailed("no candidate pods")
