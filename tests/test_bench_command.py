@@ -1,20 +1,16 @@
-"""`hetero-gateway bench`: the command runs on a tiny configuration and writes well-formed output.
+"""`hetero-gateway bench` without Envoy: the benchmark's bootstraps, its arithmetic on hand-built
+timings, its interleaved client against a loopback server, and its command line.
 
-The figures themselves are a benchmark (docs/bench/); no timing is asserted anywhere here. First
-come checks that need no Envoy: the benchmark's bootstraps and its arithmetic on hand-built
-timings; then one data-plane run of `bench --quick`.
+The figures themselves are a benchmark (docs/bench/); no timing is asserted anywhere here. The
+run of `bench --quick` through a real Envoy is in tests/test_dataplane_bench.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 from aiohttp import web
 
@@ -25,22 +21,15 @@ from plugin_tools.bench import cli as bench_cli
 from plugin_tools.bench.client import Batch, Timing, run_interleaved
 from plugin_tools.bench.options import BenchOptions
 from plugin_tools.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
-from plugin_tools.demo.fleet import free_port
+from tests.helpers import ServeApp, bootstrap_hcm
 
-# Spelled out (not imported) so a renamed variant or key fails here.
-VARIANTS = ["direct", "headers", "buffered", "observe", "streamed"]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+pytestmark = pytest.mark.component
+
 UPSTREAM = ("127.0.0.1", 9000)
 
 
-def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
-    listener = boot["static_resources"]["listeners"][0]
-    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm
-
-
 def _filters(boot: dict[str, Any]) -> list[str]:
-    return [f["name"] for f in _hcm(boot)["http_filters"]]
+    return [f["name"] for f in bootstrap_hcm(boot)["http_filters"]]
 
 
 def _clusters(boot: dict[str, Any]) -> list[str]:
@@ -48,7 +37,9 @@ def _clusters(boot: dict[str, Any]) -> list[str]:
 
 
 def _route_cluster(boot: dict[str, Any]) -> str:
-    cluster: str = _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"]
+    cluster: str = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["route"][
+        "cluster"
+    ]
     return cluster
 
 
@@ -109,7 +100,7 @@ def test_plugin_layouts(
 ) -> None:
     boot = render_bootstrap(EnvoyOptions(count_mode=count_mode), layout)
     assert _filters(boot) == filters
-    mode = _hcm(boot)["http_filters"][0]["typed_config"]["processing_mode"]
+    mode = bootstrap_hcm(boot)["http_filters"][0]["typed_config"]["processing_mode"]
     assert mode["request_body_mode"] == request_body
     assert mode["response_body_mode"] == response_body
     assert _route_cluster(boot) == cluster
@@ -219,7 +210,7 @@ def test_routing_token_shares_and_distance() -> None:
 # --- client --------------------------------------------------------------------------------------
 
 
-async def test_interleaved_runs_take_turns_and_time_every_event() -> None:
+async def test_interleaved_runs_take_turns_and_time_every_event(serve_app: ServeApp) -> None:
     hits: list[str] = []
 
     async def sse(request: web.Request) -> web.StreamResponse:
@@ -233,17 +224,11 @@ async def test_interleaved_runs_take_turns_and_time_every_event() -> None:
 
     app = web.Application()
     app.router.add_post("/{name}", sse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("a", "b")}
-        timings = await run_interleaved(
-            urls, b"{}", requests_per_url=3, max_seconds=30, record_chunks=True
-        )
-    finally:
-        await runner.cleanup()
+    port = await serve_app(app)
+    urls = {name: f"http://127.0.0.1:{port}/{name}" for name in ("a", "b")}
+    timings = await run_interleaved(
+        urls, b"{}", requests_per_url=3, max_seconds=30, record_chunks=True
+    )
     assert hits == ["a", "b", "b", "a", "a", "b"]  # each round starts one further along
     for name in urls:
         assert len(timings[name]) == 3
@@ -286,102 +271,3 @@ def test_recorded_command_names_the_flags_but_no_absolute_path(tmp_path: Path) -
 def test_bad_options_fail_before_anything_starts(argv: list[str]) -> None:
     with pytest.raises(ConfigError):
         bench_cli.options_from_args(_args(argv)).check()
-
-
-# --- the command, end to end ---------------------------------------------------------------------
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-@pytest.mark.dataplane
-def test_bench_quick_writes_json_markdown_and_plots(tmp_path: Path) -> None:
-    out = tmp_path / "bench"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "plugin",
-            "bench",
-            "--quick",
-            "--no-progress",
-            "--out-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    text = (out / "bench.json").read_text(encoding="utf-8")
-    assert str(tmp_path) not in text  # no path of this machine in the outputs
-    doc = orjson.loads(text)
-    assert "failed" not in doc
-    assert doc["command"] == "hetero-gateway bench --quick"
-    assert {"cpus", "loadavg_start", "loadavg_end", "envoy"} <= set(doc["machine"])
-    assert list(doc["variants"]) == VARIANTS
-
-    overhead = doc["overhead"]["variants"]
-    assert list(overhead) == VARIANTS
-    for name, row in overhead.items():
-        assert row["latency_errors"] == 0 and row["throughput_errors"] == 0, name
-        assert row["latency_requests"] > 0 and row["throughput_requests"] > 0, name
-        for key in (
-            "requests_per_s",
-            "latency_p50_ms",
-            "latency_p99_ms",
-            "envoy_cpu_ms_per_request",
-        ):
-            assert _finite(row[key]) and row[key] > 0, (name, key)
-        for key in ("rps_ratio", "p50_ratio", "p99_ratio", "envoy_cpu_ratio"):
-            assert _finite(row[key]) and row[key] > 0, (name, key)
-        for key in ("added_p50_ms", "added_p99_ms"):
-            assert _finite(row[key]), (name, key)
-        assert _finite(row["plugin_cpu_ms_per_request"]) and row["plugin_cpu_ms_per_request"] >= 0
-        assert _finite(row["plugin_cpu_ratio"]) and row["plugin_cpu_ratio"] >= 0
-    assert overhead["direct"]["rps_ratio"] == overhead["direct"]["p50_ratio"] == 1.0
-
-    streaming = doc["streaming"]
-    tokens = streaming["stack"]["max_tokens"]
-    assert list(streaming["by_concurrency"]) == ["1"]
-    rows = streaming["by_concurrency"]["1"]["variants"]
-    assert list(rows) == VARIANTS
-    for name, row in rows.items():
-        assert row["errors"] == 0, name
-        assert row["chunks_per_response"] == tokens + 1, name  # one event per token, and usage
-        assert len(row["median_arrivals_ms"]) == tokens + 1
-        for key in ("chunk_delay_ms", "first_chunk_delay_ms", "last_chunk_delay_ms"):
-            assert _finite(row[key]), (name, key)
-        for key in ("chunk_arrival_ratio", "gap_p50_ratio", "gap_p99_ratio"):
-            assert _finite(row[key]) and row[key] > 0, (name, key)
-        has_response_path = name in ("observe", "streamed")
-        assert _finite(row["response_path_delay_ms"]) is has_response_path, name
-
-    routing = doc["routing"]["strategies"]
-    assert list(routing) == ["least-request", "load-balance"]
-    for strategy, block in routing.items():
-        assert block["fleet"]["errors"] == 0 and block["fleet"]["requests"] > 0, strategy
-        replicas = block["replicas"]
-        assert list(replicas) == ["a100-0", "l20-0", "v100-0"]
-        for key in ("request_share", "token_share", "capacity_share"):
-            assert sum(r[key] for r in replicas.values()) == pytest.approx(1.0, abs=1e-9), key
-        for r in replicas.values():
-            assert _finite(r["utilization"]) and r["utilization"] >= 0
-        assert 0 <= block["share_distance"] <= 1
-
-    md = (out / "bench.md").read_text(encoding="utf-8")
-    for heading in ("## (a) Overhead", "## (b) Streaming", "## (c) Routing quality"):
-        assert heading in md
-    for name in VARIANTS:
-        assert md.count(f"| {name} |") == 3, name  # variants, overhead and streaming tables
-    for replica in ("a100-0", "l20-0", "v100-0"):
-        assert md.count(f"| {replica} |") == 2, replica  # one table per strategy
-    assert "| least-request |" in md and "| load-balance |" in md
-
-    for name in ("bench-overhead.png", "bench-streaming.png", "bench-utilisation.png"):
-        data = (out / name).read_bytes()
-        assert data.startswith(PNG_SIGNATURE), name
-        assert f"]({name})" in md

@@ -9,6 +9,8 @@ import pytest
 
 from plugin.core.capacity import CapacityEstimator
 
+pytestmark = pytest.mark.unit
+
 
 def drive(est: CapacityEstimator, key: str, rate: float, start: float, end: float) -> float:
     """Complete `rate` tokens/s from start to end with 1 s refreshes; return the end time."""
@@ -45,14 +47,16 @@ def test_step_response_follows_window_and_ewma() -> None:
     t = drive(est, "ns/a", 100, 0.0, 120.0)
     before = est.estimate("ns/a")
     assert before == pytest.approx(100.0)
-    seen = []
+    seen: list[float] = []
     for _ in range(10):
         t = drive(est, "ns/a", 400, t, t + 1)
-        seen.append(est.estimate("ns/a"))
+        estimate = est.estimate("ns/a")
+        assert estimate is not None
+        seen.append(estimate)
     assert all(b > a for a, b in itertools.pairwise(seen))
-    assert all(100 < v < 400 for v in seen if v is not None)
+    assert all(100 < v < 400 for v in seen)
     # 10 s after the step the window rate is 100 + 300 * 10/60 = 150: estimate is below that.
-    assert seen[-1] is not None and seen[-1] < 150
+    assert seen[-1] < 150
     t = drive(est, "ns/a", 400, t, t + 200)
     assert est.estimate("ns/a") == pytest.approx(400.0, rel=1e-3)
 

@@ -1,20 +1,43 @@
-"""Configuration: defaults, overrides, and a clear error naming each bad variable."""
+"""Configuration: defaults, overrides, a clear error naming each bad variable, and the one
+declaration per variable that validation, the flags' help and the README's table come from."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from plugin.config import ENV_VARS, RedisSettings, load_settings
+import plugin.config as config
+from plugin.config import (
+    ENV_VARS,
+    README_TABLE_BEGIN,
+    README_TABLE_END,
+    Choice,
+    Float,
+    Int,
+    RedisSettings,
+    Settings,
+    Var,
+    load_settings,
+    max_message_bytes,
+)
+from plugin.core.pool import EjectionPolicy
+from plugin.core.strategies import LoadBalanceSettings, settings_type, strategy_names
 from plugin.errors import ConfigError
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.unit
 
 
 def test_defaults() -> None:
     s = load_settings({})
     assert s.default_strategy == "load-balance"
     assert (
-        s.strategy.queued_weight,
-        s.strategy.kv_pressure_alpha,
-        s.strategy.kv_critical_free,
+        s.load_balance.queued_weight,
+        s.load_balance.kv_pressure_alpha,
+        s.load_balance.kv_critical_free,
     ) == (0.0, 2.0, 0.10)
     assert s.metric_refresh_interval_s == 1.0
     assert s.max_message_bytes == 4 * 1024 * 1024
@@ -34,9 +57,9 @@ def test_overrides() -> None:
         }
     )
     assert s.default_strategy == "least-request"
-    assert s.strategy.queued_weight == 0.5
-    assert s.strategy.kv_pressure_alpha == 3.0
-    assert s.strategy.kv_critical_free == 0.2
+    assert s.load_balance.queued_weight == 0.5
+    assert s.load_balance.kv_pressure_alpha == 3.0
+    assert s.load_balance.kv_critical_free == 0.2
     assert s.metric_refresh_interval_s == 0.25
     assert s.metrics_max_age_s == pytest.approx(1.0)
     assert s.max_message_bytes == 1048576
@@ -62,18 +85,6 @@ def test_bad_value_names_the_variable(name: str, value: str) -> None:
         load_settings({name: value})
 
 
-def test_every_variable_read_is_documented() -> None:
-    import inspect
-    import re
-
-    import plugin.config as config
-
-    source = inspect.getsource(config.load_settings)
-    read = set(re.findall(r'"((?:AIBRIX|HETERO_GATEWAY|ROUTING)_[A-Z_]+)"', source))
-    assert len(read) >= 10
-    assert read <= {v.name for v in ENV_VARS}
-
-
 def test_readme_documents_every_variable() -> None:
     from pathlib import Path
 
@@ -87,7 +98,7 @@ def test_readme_documents_every_variable() -> None:
 )
 def test_avoid_full_batches_switch(raw: str | None, expected: bool) -> None:
     env = {} if raw is None else {"HETERO_GATEWAY_LB_AVOID_FULL_BATCHES": raw}
-    assert load_settings(env).strategy.avoid_full_batches is expected
+    assert load_settings(env).load_balance.avoid_full_batches is expected
 
 
 def test_avoid_full_batches_rejects_a_non_boolean() -> None:
@@ -184,21 +195,6 @@ def test_bad_discovery_or_redis_value_names_the_variable(env: dict[str, str], na
         load_settings(env)
 
 
-def test_every_variable_the_module_reads_is_documented() -> None:
-    import inspect
-    import re
-
-    import plugin.config as config
-
-    source = inspect.getsource(config)
-    read = set(
-        re.findall(r'env(?:\.get)?\(\s*"([A-Z][A-Z0-9_]+)"|env,\s*"([A-Z][A-Z0-9_]+)"', source)
-    )
-    names = {a or b for a, b in read}
-    # Read <=> documented: no hidden knob, no documented variable that does nothing.
-    assert names == {v.name for v in ENV_VARS}, names ^ {v.name for v in ENV_VARS}
-
-
 def test_drain_seconds() -> None:
     assert load_settings({}).drain_s == 20.0
     assert load_settings({"HETERO_GATEWAY_DRAIN_S": "2.5"}).drain_s == 2.5
@@ -233,3 +229,276 @@ def test_label_selector_syntax_is_accepted(selector: str) -> None:
 def test_a_malformed_label_selector_stops_start_up(selector: str) -> None:
     with pytest.raises(ConfigError, match="HETERO_GATEWAY_K8S_LABEL_SELECTOR"):
         load_settings({"HETERO_GATEWAY_K8S_LABEL_SELECTOR": selector})
+
+
+# --- one declaration per variable -----------------------------------------------------------------
+
+VARS = {v.name: v for v in ENV_VARS}
+PLACEHOLDERS = {"(none)", "(all)", "(hostname)"}  # defaults shown as words, not as values
+
+# At least one refused value per variable (free text takes anything, so it has none): the
+# declared bounds, tested from outside the declarations.
+BAD_VALUES: dict[str, tuple[str, ...]] = {
+    "ROUTING_ALGORITHM": ("fastest", "Load-Balance"),
+    "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT": ("-0.001", "nan", "x"),
+    "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA": ("-1", "inf"),
+    "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE": ("-0.1", "1.01"),
+    "HETERO_GATEWAY_LB_AVOID_FULL_BATCHES": ("maybe", "2"),
+    "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": ("0", "-1", "1.5"),
+    "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": ("0", str(2**31), "4MiB"),
+    "HETERO_GATEWAY_GRPC_PORT": ("-1", "65536", "http"),
+    "HETERO_GATEWAY_HTTP_PORT": ("-1", "65536"),
+    "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS": ("0", "0.5"),
+    "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS": ("0", "1.5"),
+    "HETERO_GATEWAY_CAPACITY_WINDOW_S": ("0", "-inf"),
+    "HETERO_GATEWAY_CAPACITY_TAU_S": ("0", "nan"),
+    "HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX": ("0", "three"),
+    "HETERO_GATEWAY_EJECT_BASE_S": ("0", "-5"),
+    "HETERO_GATEWAY_LOG_LEVEL": ("LOUD", "TRACE"),
+    "HETERO_GATEWAY_DRAIN_S": ("-0.5", "3600.5"),
+    "HETERO_GATEWAY_DISCOVERY": ("consul",),
+    "HETERO_GATEWAY_K8S_NAMESPACE": ("Team_A", "ok,-bad"),
+    "HETERO_GATEWAY_K8S_LABEL_SELECTOR": ("a=b c",),
+    "HETERO_GATEWAY_GPU_LABEL": ("gpu type", "/name"),
+    "REDIS_HOST": ("a b", "redis/0", "redis:6379"),
+    "REDIS_PORT": ("0", "65536"),
+    "HETERO_GATEWAY_REDIS_SYNC_MS": ("0",),
+    "HETERO_GATEWAY_REDIS_TTL_MS": ("-1", "0"),
+}
+FREE_TEXT = {"HETERO_GATEWAY_PODS_FILE", "REDIS_PASSWORD", "POD_NAME", "POD_NAMESPACE"}
+
+# Values on a bound that is inclusive: accepted, and read as given.
+EDGE_VALUES: list[tuple[str, str, Any]] = [
+    ("AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT", "0", 0.0),
+    ("AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE", "0", 0.0),
+    ("AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE", "1", 1.0),
+    ("AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES", "1", 1),
+    ("AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES", str(2**31 - 1), 2**31 - 1),
+    ("HETERO_GATEWAY_GRPC_PORT", "0", 0),
+    ("HETERO_GATEWAY_HTTP_PORT", "65535", 65535),
+    ("HETERO_GATEWAY_DRAIN_S", "0", 0.0),
+    ("HETERO_GATEWAY_DRAIN_S", "3600", 3600.0),
+    ("REDIS_PORT", "1", 1),
+    ("HETERO_GATEWAY_LOG_LEVEL", " debug ", "DEBUG"),
+    ("HETERO_GATEWAY_DISCOVERY", "KUBERNETES", "kubernetes"),
+    ("HETERO_GATEWAY_LB_AVOID_FULL_BATCHES", "off", False),
+    ("HETERO_GATEWAY_K8S_LABEL_SELECTOR", "  ", ""),  # set but blank: every pod in scope
+    ("REDIS_PASSWORD", " pass word ", " pass word "),  # a password keeps its spaces
+]
+
+
+def test_names_are_unique_and_every_variable_is_in_the_table() -> None:
+    assert len(VARS) == len(ENV_VARS)
+    assert set(BAD_VALUES) | FREE_TEXT == set(VARS), set(VARS) ^ (set(BAD_VALUES) | FREE_TEXT)
+    assert not set(BAD_VALUES) & FREE_TEXT
+
+
+@pytest.mark.parametrize("var", ENV_VARS, ids=lambda v: v.name)
+def test_unset_or_blank_reads_the_default(var: Var[Any]) -> None:
+    assert var.read({}) == var.default
+    if not var.kind.blank_is_value:
+        assert var.read({var.name: ""}) == var.default
+
+
+@pytest.mark.parametrize("var", ENV_VARS, ids=lambda v: v.name)
+def test_the_shown_default_parses_to_the_default(var: Var[Any]) -> None:
+    # The README's default column is what the variable means when unset: setting it to that
+    # text changes nothing, for the variable and for the whole configuration.
+    if var.default_text in PLACEHOLDERS:
+        assert var.default is None or var.default == ()
+        return
+    assert var.read({var.name: var.default_text}) == var.default
+    assert load_settings({var.name: var.default_text}) == load_settings({})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [(name, value) for name, values in BAD_VALUES.items() for value in values],
+)
+def test_an_out_of_bounds_value_is_refused_naming_the_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name}=") as info:
+        VARS[name].read({name: value})
+    assert repr(value) in str(info.value)
+    with pytest.raises(ConfigError, match=f"^{name}="):
+        load_settings({name: value})
+
+
+@pytest.mark.parametrize(("name", "value", "expected"), EDGE_VALUES)
+def test_a_value_on_an_inclusive_bound_is_accepted(name: str, value: str, expected: Any) -> None:
+    assert VARS[name].read({name: value}) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (
+            "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE",
+            "1.5",
+            "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE='1.5' is not a number in [0, 1]",
+        ),
+        (
+            "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS",
+            "0",
+            "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS='0' is not an integer > 0 (milliseconds)",
+        ),
+        ("HETERO_GATEWAY_GRPC_PORT", "70000", "HETERO_GATEWAY_GRPC_PORT='70000' is not a port in"),
+        ("HETERO_GATEWAY_LB_AVOID_FULL_BATCHES", "maybe", "is not a boolean (true/false)"),
+        ("HETERO_GATEWAY_DISCOVERY", "consul", "is not one of file, kubernetes"),
+        ("ROUTING_ALGORITHM", "fastest", "is not a known strategy (known: least-request, "),
+        ("REDIS_HOST", "redis:6379", "give the host alone; the port goes in REDIS_PORT"),
+    ],
+)
+def test_the_message_says_what_was_expected(name: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({name: value})
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        (Int(gt=0), "int > 0"),
+        (Int(ge=0, le=65535), "int in [0, 65535]"),
+        (Float(ge=0), "float >= 0"),
+        (Float(gt=0, le=1), "float in (0, 1]"),
+        (Float(le=2.5), "float <= 2.5"),
+        (Choice(("file", "kubernetes")), "`file` or `kubernetes`"),
+        (Choice(("a", "b", "c")), "`a`, `b` or `c`"),
+    ],
+)
+def test_the_type_text_comes_from_the_kind(kind: Any, text: str) -> None:
+    assert kind.type_text == text
+
+
+def test_settings_defaults_are_the_declared_defaults() -> None:
+    assert Settings() == load_settings({})
+    assert Settings().load_balance == LoadBalanceSettings()
+    assert load_settings({}).ejection == EjectionPolicy()
+
+
+class RecordingEnv(Mapping[str, str]):
+    """An environment that remembers which variables were looked up."""
+
+    def __init__(self, values: Mapping[str, str]) -> None:
+        self.data = dict(values)
+        self.asked: set[str] = set()
+
+    def __getitem__(self, key: str) -> str:
+        self.asked.add(key)
+        return self.data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        raise AssertionError("configuration must look variables up by name, not list them")
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def test_load_settings_reads_exactly_the_declared_variables() -> None:
+    # Read <=> declared: no hidden knob, and no declared variable that does nothing.
+    env = RecordingEnv({})
+    load_settings(env)
+    assert env.asked == set(VARS), env.asked ^ set(VARS)
+
+
+def test_max_message_bytes_reads_only_its_variable() -> None:
+    env = RecordingEnv({"AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": "1024", "REDIS_HOST": "a:1"})
+    assert max_message_bytes(env) == 1024
+    assert env.asked == {"AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"}
+    with pytest.raises(ConfigError, match="AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"):
+        max_message_bytes({"AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": str(2**31)})
+
+
+@pytest.mark.parametrize(("base", "max_s"), [("5", 60.0), ("60", 60.0), ("90", 90.0)])
+def test_ejection_backoff_caps_at_60_s_or_the_base(base: str, max_s: float) -> None:
+    policy = load_settings({"HETERO_GATEWAY_EJECT_BASE_S": base}).ejection
+    assert (policy.base_s, policy.max_s) == (float(base), max_s)
+
+
+def test_redis_ttl_is_checked_against_the_sync_even_without_redis() -> None:
+    with pytest.raises(ConfigError, match="HETERO_GATEWAY_REDIS_TTL_MS=199 must be at least"):
+        load_settings({"HETERO_GATEWAY_REDIS_SYNC_MS": "100", "HETERO_GATEWAY_REDIS_TTL_MS": "199"})
+    ok = {"HETERO_GATEWAY_REDIS_SYNC_MS": "100", "HETERO_GATEWAY_REDIS_TTL_MS": "200"}
+    assert load_settings(ok).redis is None
+
+
+# --- strategies' settings ------------------------------------------------------------------------
+
+
+def test_strategy_settings_hold_one_object_per_strategy_with_settings() -> None:
+    settings = load_settings({"AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT": "0.25"})
+    objects = settings.strategy_settings()
+    wanted = {settings_type(n) for n in strategy_names()} - {None}
+    assert len({type(o) for o in objects}) == len(objects)  # one of each type
+    assert {type(o) for o in objects} == wanted
+    assert settings.load_balance in objects
+    assert settings.load_balance.queued_weight == 0.25
+
+
+def test_every_strategy_variable_names_a_strategy_with_settings() -> None:
+    marked = [v for v in ENV_VARS if v.strategy is not None]
+    assert {v.name for v in marked} == {
+        "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT",
+        "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA",
+        "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE",
+        "HETERO_GATEWAY_LB_AVOID_FULL_BATCHES",
+    }
+    for var in marked:
+        assert var.strategy in strategy_names()
+        assert settings_type(var.strategy) is not None
+        assert var.meaning.startswith(f"`{var.strategy}` strategy: ")
+
+
+# --- the README's table --------------------------------------------------------------------------
+
+README = REPO / "README.md"
+
+
+def test_readme_table_is_the_generated_one() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert config.with_config_table(text) == text, (
+        "README.md's configuration table differs from plugin/config.py's declarations;"
+        " run: python -m plugin.config --write-readme README.md"
+    )
+
+
+def test_the_table_has_a_row_per_variable_with_its_columns() -> None:
+    lines = config.config_table().splitlines()
+    assert lines[0] == "| variable | type | default | meaning |"
+    rows = [line.split(" | ") for line in lines[2:]]
+    assert [r[0].removeprefix("| `").removesuffix("`") for r in rows] == list(VARS)
+    for row, var in zip(rows, ENV_VARS, strict=True):
+        assert row[1] == var.type_text
+        assert row[2] in (var.default_text, f"`{var.default_text}`")
+        assert row[3].removesuffix(" |") == var.meaning
+        if var.flag is not None:
+            assert f"`{var.flag}` overrides it." in row[3]
+    assert VARS["HETERO_GATEWAY_REDIS_TTL_MS"].type_text == "int > 0, >= 2 x sync"
+    assert VARS["HETERO_GATEWAY_LOG_LEVEL"].type_text.startswith("`DEBUG`, `INFO`")
+
+
+def test_write_readme_rewrites_only_between_the_markers(tmp_path: Path) -> None:
+    path = tmp_path / "README.md"
+    path.write_text(
+        f"# Title\n\nIntro.\n\n{README_TABLE_BEGIN}\n| old | table |\n{README_TABLE_END}"
+        "\n\nAfter.\n",
+        encoding="utf-8",
+    )
+    assert config.main(["--check-readme", str(path)]) == 1
+    assert config.main(["--write-readme", str(path)]) == 0
+    text = path.read_text(encoding="utf-8")
+    expected = (
+        f"# Title\n\nIntro.\n\n{README_TABLE_BEGIN}\n{config.config_table()}{README_TABLE_END}"
+        "\n\nAfter.\n"
+    )
+    assert text == expected
+    assert config.main(["--check-readme", str(path)]) == 0
+    assert config.main(["--write-readme", str(path)]) == 0  # idempotent
+    assert path.read_text(encoding="utf-8") == expected
+
+
+def test_a_readme_without_markers_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "README.md"
+    path.write_text("no table here\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="config-table"):
+        config.main(["--write-readme", str(path)])

@@ -1,88 +1,54 @@
 """Data plane: a real Envoy, the plugin and mock engines as separate processes on loopback.
 
-Everything goes through Envoy's listener exactly as a client's request would. One stack serves
-the whole module (starting it takes a few seconds); tests that need counts compare deltas.
+Everything goes through Envoy's listener exactly as a client's request would. One stack (the
+`fleet` fixture of tests/conftest.py) serves the whole module; tests that need counts compare
+deltas.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-import pytest_asyncio
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.fleet import LocalFleet
 from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
+from tests.helpers import (
+    chat_body,
+    debug_pods,
+    free_port,
+    metric_sum,
+    poll,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "llama-3-8b"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def fleet() -> AsyncIterator[LocalFleet]:
-    spec = FleetSpec(
-        model=MODEL,
-        time_scale=2.0,
-        tokens_per_chunk=4,
-        listen_port=free_port(),
-        plugin_env={"AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "500"},
-    )
-    async with LocalFleet(spec) as f:
-        yield f
-
-
 async def pods_state(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[str, Any]:
-    async with session.get(f"{fleet.plugin_url}/debug/pods") as resp:
-        doc: dict[str, Any] = orjson.loads(await resp.read())
-    return doc
+    return await debug_pods(session, fleet.plugin_url)
 
 
-async def engine_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == name
+async def pods_listing(session: aiohttp.ClientSession, fleet: LocalFleet, key: str) -> None:
+    """Until the plugin lists `key`: the edited pods file has been read again."""
+    await poll(
+        lambda: pods_state(session, fleet),
+        lambda state: key in state["pods"],
+        f"{key} from the edited pods file",
+        limit_s=10,
+        interval_s=0.2,
     )
-
-
-async def wait_idle(session: aiohttp.ClientSession, fleet: LocalFleet, limit_s: float = 30) -> None:
-    """Until the plugin counts nothing in flight and no engine runs or queues anything."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        state = await pods_state(session, fleet)
-        inflight = sum(p["inflight"] for p in state["pods"].values())
-        running = 0.0
-        for e in fleet.engines:
-            running += await engine_metric(session, e.url, "vllm:num_requests_running")
-            running += await engine_metric(session, e.url, "vllm:num_requests_waiting")
-        if inflight == 0 and running == 0 and not state["inflight_removed_pods"]:
-            return
-        assert time.monotonic() < deadline, f"still busy: inflight={inflight} engines={running}"
-        await asyncio.sleep(0.2)
 
 
 def chat(max_tokens: int = 8, stream: bool = False, **extra: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hello there"}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        **extra,
-    }
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
+    return chat_body(MODEL, max_tokens, stream=stream, **extra)
 
 
 async def test_non_streaming_request_is_steered_and_annotated(fleet: LocalFleet) -> None:
@@ -116,7 +82,7 @@ async def test_load_balance_follows_capacity_and_counts_every_token(fleet: Local
         await wait_idle(session, fleet)
         before_plugin = await pods_state(session, fleet)
         before_engine = {
-            e.name: await engine_metric(session, e.url, "vllm:generation_tokens_total")
+            e.name: await metric_sum(session, e.url, "vllm:generation_tokens_total")
             for e in fleet.engines
         }
         workload = Workload(
@@ -131,7 +97,7 @@ async def test_load_balance_follows_capacity_and_counts_every_token(fleet: Local
         )
         await wait_idle(session, fleet)
         after_engine = {
-            e.name: await engine_metric(session, e.url, "vllm:generation_tokens_total")
+            e.name: await metric_sum(session, e.url, "vllm:generation_tokens_total")
             for e in fleet.engines
         }
         generated_total = sum(after_engine.values()) - sum(before_engine.values())
@@ -206,10 +172,7 @@ async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) ->
     fleet.pods_file.write_text(yaml.safe_dump(doc))
     try:
         async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 10
-            while "default/dead-0" not in (await pods_state(session, fleet))["pods"]:
-                assert time.monotonic() < deadline, "pods file change not picked up"
-                await asyncio.sleep(0.2)
+            await pods_listing(session, fleet, "default/dead-0")
 
             async def send() -> tuple[int, str | None]:
                 async with session.post(
@@ -229,12 +192,12 @@ async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) ->
                     break
             # The outcome is recorded when the routing stream closes, a moment after the client
             # has its 503: poll (bounded) for the ejection.
-            deadline = time.monotonic() + 5
-            while not (state := await pods_state(session, fleet))["pods"]["default/dead-0"][
-                "ejected"
-            ]:
-                assert time.monotonic() < deadline, "dead pod never ejected"
-                await asyncio.sleep(0.05)
+            state = await poll(
+                lambda: pods_state(session, fleet),
+                lambda state: bool(state["pods"]["default/dead-0"]["ejected"]),
+                "the dead pod's ejection",
+                interval_s=0.05,
+            )
             after = [await send() for _ in range(15)]  # well inside the 5 s ejection
     finally:
         fleet.pods_file.write_text(original)
@@ -317,10 +280,7 @@ async def test_no_ready_pod_is_503_and_pods_file_is_reread(fleet: LocalFleet) ->
     }
     fleet.pods_file.write_text(yaml.safe_dump(doc))
     async with aiohttp.ClientSession() as session:
-        deadline = time.monotonic() + 10
-        while "default/down-0" not in (await pods_state(session, fleet))["pods"]:
-            assert time.monotonic() < deadline, "pods file change not picked up"
-            await asyncio.sleep(0.2)
+        await pods_listing(session, fleet, "default/down-0")
         async with session.post(
             f"{fleet.envoy_url}/v1/chat/completions", json={**chat(), "model": "offline-model"}
         ) as resp:

@@ -11,33 +11,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet
+from tests.helpers import chat_body
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = "llama-3-8b"
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def fleet() -> AsyncIterator[LocalFleet]:
-    spec = FleetSpec(
-        model=MODEL,
-        time_scale=1.0,
-        tokens_per_chunk=4,
-        listen_port=free_port(),
-        fail_open=True,
-        steering="override-host",
+@pytest.fixture(scope="module")
+def fleet_spec() -> FleetSpec:
+    """The override_host wiring, failing open (the conftest's `fleet` runs it)."""
+    return FleetSpec(
+        model=MODEL, time_scale=1.0, tokens_per_chunk=4, fail_open=True, steering="override-host"
     )
-    async with LocalFleet(spec) as f:
-        yield f
 
 
 @dataclass
@@ -56,13 +48,7 @@ class Load:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, load: Load) -> None:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 24,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat_body(MODEL, 24, stream=True, content="hello")
     started = time.monotonic()
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
@@ -134,11 +120,7 @@ async def test_steering_uses_the_plugins_pick(fleet: LocalFleet) -> None:
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for _ in range(12):
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 2,
-            }
+            body = chat_body(MODEL, 2, content="hi")
             async with session.post(f"{fleet.envoy_url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
                 picked = resp.headers["target-pod"]

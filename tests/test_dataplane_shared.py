@@ -10,19 +10,18 @@ really generated (the engines' own `vllm:generation_tokens_total`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 import pytest_asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
-from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet
 from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 from plugin_tools.demo.redis_server import RedisServer
+from tests.helpers import debug_pods, metric_sum, poll
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 
@@ -33,52 +32,48 @@ READ_AT_S = 36.0  # when the estimates are read, traffic still flowing
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def stack() -> AsyncIterator[tuple[LocalFleet, ExtraGateway, RedisServer]]:
-    async with RedisServer() as redis:
-        common = {
+async def redis() -> AsyncIterator[RedisServer]:
+    """One `redis-server` for the module: both gateways share their state through it."""
+    async with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def fleet_spec(redis: RedisServer) -> FleetSpec:
+    """The first gateway, gw-a, pointed at Redis (the conftest's `fleet` runs it)."""
+    return FleetSpec(
+        model=MODEL,
+        time_scale=2.0,
+        tokens_per_chunk=4,
+        plugin_env={
             "REDIS_HOST": redis.host,
             "REDIS_PORT": str(redis.port),
             "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "500",
             "HETERO_GATEWAY_CAPACITY_WINDOW_S": str(WINDOW_S),
             "HETERO_GATEWAY_CAPACITY_TAU_S": "2",
-        }
-        spec = FleetSpec(
-            model=MODEL,
-            time_scale=2.0,
-            tokens_per_chunk=4,
-            listen_port=free_port(),
-            plugin_env={**common, "POD_NAME": "gw-a"},
-        )
-        async with LocalFleet(spec) as fleet:
-            second = await fleet.start_extra_gateway("gw-b", {"POD_NAME": "gw-b"})
-            yield fleet, second, redis
+            "POD_NAME": "gw-a",
+        },
+    )
 
 
-async def debug_pods(session: aiohttp.ClientSession, plugin_url: str) -> dict[str, Any]:
-    async with session.get(f"{plugin_url}/debug/pods") as resp:
-        doc: dict[str, Any] = orjson.loads(await resp.read())
-    return doc
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def second(fleet: LocalFleet) -> ExtraGateway:
+    """The second gateway, gw-b: its own plugin (same settings but its name) and its own Envoy;
+    the fleet stops it."""
+    return await fleet.start_extra_gateway("gw-b", {"POD_NAME": "gw-b"})
 
 
 async def generated(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[str, float]:
     """Each engine's own count of the output tokens it generated."""
-    out: dict[str, float] = {}
-    for e in fleet.engines:
-        async with session.get(f"{e.url}/metrics") as resp:
-            text = await resp.text()
-        out[f"default/{e.name}"] = sum(
-            s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-            if s.name == "vllm:generation_tokens_total"
-        )
-    return out
+    return {
+        f"default/{e.name}": await metric_sum(session, e.url, "vllm:generation_tokens_total")
+        for e in fleet.engines
+    }
 
 
 async def test_two_gateways_agree_on_each_replicas_capacity(
-    stack: tuple[LocalFleet, ExtraGateway, RedisServer],
+    fleet: LocalFleet, second: ExtraGateway
 ) -> None:
-    fleet, second, _ = stack
     urls = {"gw-a": fleet.plugin_url, "gw-b": second.plugin_url}
     saturated = sum(e.saturated_tokens_per_s for e in fleet.engines)
     out = LengthDist(median=24, sigma=0.5, low=4, high=96)
@@ -95,13 +90,16 @@ async def test_two_gateways_agree_on_each_replicas_capacity(
 
     async with aiohttp.ClientSession() as session:
         for name, url in urls.items():  # both joined the shared state
-            deadline = time.monotonic() + 10
-            while True:
-                state = (await debug_pods(session, url))["shared_state"]
-                if state["mode"] == "shared" and state["other_gateways"] == 1:
-                    break
-                assert time.monotonic() < deadline, (name, state)
-                await asyncio.sleep(0.2)
+            await poll(
+                functools.partial(debug_pods, session, url),
+                lambda doc: (
+                    (doc["shared_state"]["mode"], doc["shared_state"]["other_gateways"])
+                    == ("shared", 1)
+                ),
+                f"{name} to join the shared state",
+                limit_s=10,
+                interval_s=0.2,
+            )
 
         loads = [
             asyncio.ensure_future(

@@ -3,38 +3,30 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet
 from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
-from tests.test_dataplane import MODEL, engine_metric, pods_state, wait_idle
+from tests.helpers import debug_pods, metric_sum, wait_idle
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def fleet() -> AsyncIterator[LocalFleet]:
-    spec = FleetSpec(
-        model=MODEL,
-        time_scale=1.0,
-        tokens_per_chunk=4,
-        listen_port=free_port(),
-        count_mode="streamed",
-    )
-    async with LocalFleet(spec) as f:
-        yield f
+MODEL = "llama-3-8b"
+
+
+@pytest.fixture(scope="module")
+def fleet_spec() -> FleetSpec:
+    """The routing filter counts too (the conftest's `fleet` runs it)."""
+    return FleetSpec(model=MODEL, time_scale=1.0, tokens_per_chunk=4, count_mode="streamed")
 
 
 async def test_streamed_mode_counts_every_token(fleet: LocalFleet) -> None:
     async with aiohttp.ClientSession() as session:
-        before = await pods_state(session, fleet)
+        before = await debug_pods(session, fleet.plugin_url)
         generated_before = [
-            await engine_metric(session, e.url, "vllm:generation_tokens_total")
-            for e in fleet.engines
+            await metric_sum(session, e.url, "vllm:generation_tokens_total") for e in fleet.engines
         ]
         workload = Workload(
             rate_per_s=10,
@@ -48,10 +40,9 @@ async def test_streamed_mode_counts_every_token(fleet: LocalFleet) -> None:
         )
         await wait_idle(session, fleet)
         # In this mode the routing stream both holds the lease and counts: no settling needed.
-        after = await pods_state(session, fleet)
+        after = await debug_pods(session, fleet.plugin_url)
         generated_after = [
-            await engine_metric(session, e.url, "vllm:generation_tokens_total")
-            for e in fleet.engines
+            await metric_sum(session, e.url, "vllm:generation_tokens_total") for e in fleet.engines
         ]
     assert results and all(r.ok for r in results)
     counted = sum(

@@ -1,17 +1,17 @@
 """The Kubernetes manifests in deploy/ and the Dockerfile, checked without a cluster.
 
-Each overlay is rendered (with `kubectl kustomize` when it is installed, else with
-tests/kustomize_lite.py, which must then agree with it), every Envoy Gateway and Gateway API object
-is validated against the CRD schemas in ../shared/data/crds/ (unknown fields rejected, as kubectl's
-strict field validation does), the CEL rules those CRDs enforce on the fields we use are mirrored,
-and the names, ports, limits and timeouts that must agree across objects, with the plugin's own
-defaults (plugin.config, plugin.adapters.envoy_config) and with the Dockerfile are compared.
+Each overlay is rendered with `kubectl kustomize` (once per session; a machine without kubectl
+fails these tests, saying so), every Envoy Gateway and Gateway API object is validated against the
+CRD schemas of the shared data (`crds/`, the `crd_dir` fixture of tests/conftest.py; unknown fields
+rejected, as kubectl's strict field validation does), the CEL rules those CRDs enforce on the
+fields we use are mirrored, and the names, ports, limits and timeouts that must agree across
+objects, with the plugin's own defaults (plugin.config, plugin.adapters.envoy_config) and with the
+Dockerfile are compared.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import re
 import shlex
@@ -25,22 +25,18 @@ import jsonschema
 import pytest
 import yaml
 
-from plugin.adapters.envoy_config import (
-    LB_METADATA_NAMESPACE,
-    ORIGINAL_DST_CLUSTER,
-    TARGET_POD_HEADER,
-    EnvoyOptions,
-    render_bootstrap,
-)
+from plugin.adapters.envoy_config import ORIGINAL_DST_CLUSTER, EnvoyOptions, render_bootstrap
+from plugin.adapters.steering import LB_METADATA_NAMESPACE, TARGET_POD_HEADER
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES, ENV_VARS, Settings, load_settings
 from plugin.core.request import LLM_PATHS
-from tests.kustomize_lite import KustomizeError, build, resource_id
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.component
 
 Obj = dict[str, Any]
+Crds = dict[tuple[str, str, str], Obj]  # (group, version, kind) -> the CRD's version entry
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-CRD_DIR = REPO.parent / "shared" / "data" / "crds"
 OVERLAYS = ("original-dst", "override-host")  # the two ways Envoy follows the pick
 SHARED_STATE = "shared-state"  # original-dst + deploy/components/shared-state (Redis, 2 replicas)
 ALL_OVERLAYS = (*OVERLAYS, SHARED_STATE)
@@ -64,31 +60,57 @@ DESIGNED_VARS = {
 
 # --- rendering -----------------------------------------------------------------------------------
 
+# libyaml's loader where PyYAML has it: the CRDs are large, and the pure-Python one is slow.
+_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
-def kubectl_build(directory: Path) -> list[Obj]:
+
+class RenderError(Exception):
+    """`kubectl kustomize` refused a kustomization; the message carries kubectl's."""
+
+
+class Kustomize:
+    """`kubectl kustomize`; each overlay of deploy/ is rendered once and copied for each test."""
+
+    def __init__(self, kubectl: str) -> None:
+        self.kubectl = kubectl
+        self._overlays: dict[str, tuple[Obj, ...]] = {}
+
+    def build(self, directory: Path) -> list[Obj]:
+        """The objects the kustomization in `directory` renders, in kubectl's order."""
+        proc = subprocess.run(
+            [self.kubectl, "kustomize", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RenderError(f"kubectl kustomize {directory} failed:\n{proc.stderr}")
+        return [doc for doc in yaml.load_all(proc.stdout, Loader=_LOADER) if doc is not None]
+
+    def __call__(self, overlay: str) -> list[Obj]:
+        """deploy/overlays/`overlay`'s objects (a fresh copy: tests may mutate them)."""
+        if overlay not in self._overlays:
+            self._overlays[overlay] = tuple(self.build(DEPLOY / "overlays" / overlay))
+        return copy.deepcopy(list(self._overlays[overlay]))
+
+
+@pytest.fixture(scope="session")
+def render() -> Kustomize:
     kubectl = shutil.which("kubectl")
-    assert kubectl is not None
-    proc = subprocess.run(
-        [kubectl, "kustomize", str(directory)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, f"kubectl kustomize {directory} failed:\n{proc.stderr}"
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc is not None]
+    if kubectl is None:
+        pytest.fail(
+            "kubectl not found on PATH: the manifest tests render deploy/ with `kubectl kustomize`"
+            " (install kubectl)",
+            pytrace=False,
+        )
+    return Kustomize(kubectl)
 
 
-@functools.cache
-def _kubectl_render(overlay: str) -> tuple[Obj, ...]:
-    return tuple(kubectl_build(DEPLOY / "overlays" / overlay))
-
-
-def render(overlay: str) -> list[Obj]:
-    """The overlay's objects (a fresh copy: tests may mutate them)."""
-    if shutil.which("kubectl"):
-        return copy.deepcopy(list(_kubectl_render(overlay)))
-    return build(DEPLOY / "overlays" / overlay)
+def resource_id(obj: Obj) -> tuple[str, str, str, str]:
+    """(group, kind, namespace, name): what kustomize keeps unique."""
+    meta = obj.get("metadata", {})
+    return group_of(obj), obj["kind"], meta.get("namespace", ""), meta["name"]
 
 
 def group_of(obj: Obj) -> str:
@@ -127,17 +149,12 @@ def duration_s(value: str) -> float:
 # --- CRD schemas ---------------------------------------------------------------------------------
 
 
-@functools.cache
-def _crd_versions() -> dict[tuple[str, str, str], Obj]:
+@pytest.fixture(scope="session")
+def crds(crd_dir: Path) -> Crds:
     """(group, version, kind) -> the CRD's version entry, for every served version."""
-    if not CRD_DIR.is_dir():
-        pytest.fail(
-            f"CRD schemas not found at {CRD_DIR} (expected ../shared/data/crds/ beside the repo; "
-            "see shared/data/README.md). The manifest tests cannot run without them."
-        )
-    versions: dict[tuple[str, str, str], Obj] = {}
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+    versions: Crds = {}
+    for path in sorted(crd_dir.glob("*.yaml")):
+        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_LOADER):
             if not doc or doc.get("kind") != "CustomResourceDefinition":
                 continue
             spec = doc["spec"]
@@ -176,9 +193,9 @@ def strict_schema(node: Any) -> Any:
     return out
 
 
-def schema_errors(obj: Obj) -> list[str]:
+def schema_errors(crds: Crds, obj: Obj) -> list[str]:
     group, _, version = str(obj["apiVersion"]).rpartition("/")
-    entry = _crd_versions().get((group, version, obj["kind"]))
+    entry = crds.get((group, version, obj["kind"]))
     assert entry is not None, f"no served CRD version for {obj['apiVersion']} {obj['kind']}"
     schema = strict_schema(entry["schema"]["openAPIV3Schema"])
     validator = jsonschema.Draft7Validator(schema)
@@ -188,7 +205,7 @@ def schema_errors(obj: Obj) -> list[str]:
     ]
 
 
-def cel_messages(kind: str) -> set[str]:
+def cel_messages(crds: Crds, kind: str) -> set[str]:
     """Every x-kubernetes-validations message in the served CRD versions of `kind`."""
     found: set[str] = set()
 
@@ -202,7 +219,7 @@ def cel_messages(kind: str) -> set[str]:
             for item in node:
                 walk(item)
 
-    for (_, _, k), entry in _crd_versions().items():
+    for (_, _, k), entry in crds.items():
         if k == kind:
             walk(entry["schema"])
     return found
@@ -211,8 +228,8 @@ def cel_messages(kind: str) -> set[str]:
 # --- the rendered tree ---------------------------------------------------------------------------
 
 
-def test_crds_for_every_gateway_kind_we_use_are_present() -> None:
-    kinds = {k for (_, _, k) in _crd_versions()}
+def test_crds_for_every_gateway_kind_we_use_are_present(crds: Crds) -> None:
+    kinds = {k for (_, _, k) in crds}
     wanted = {
         "GatewayClass",
         "Gateway",
@@ -225,81 +242,47 @@ def test_crds_for_every_gateway_kind_we_use_are_present() -> None:
     assert wanted <= kinds, f"missing CRDs: {sorted(wanted - kinds)}"
 
 
-@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
-def test_lite_renderer_agrees_with_kubectl(overlay: str) -> None:
-    if not shutil.which("kubectl"):
-        pytest.skip("kubectl is not installed; the tests render with tests/kustomize_lite.py")
-    ours = {resource_id(o): o for o in build(DEPLOY / "overlays" / overlay)}
-    theirs = {resource_id(o): o for o in _kubectl_render(overlay)}
-    assert sorted(ours) == sorted(theirs)
-    for rid, obj in theirs.items():
-        assert ours[rid] == obj, f"{rid} renders differently"
-
-
-@pytest.mark.parametrize(
-    ("kustomization", "files", "message"),
-    [
-        pytest.param("namePrefix: x-\nresources: [a.yaml]\n", {}, "unsupported", id="unknown-key"),
-        pytest.param(
-            "resources: [a.yaml]\npatches:\n  - target: {kind: ConfigMap}\n"
-            "    patch: |-\n      metadata: {labels: {a: b}}\n",
-            {},
-            "JSON 6902",
-            id="strategic-merge-patch",
-        ),
-        pytest.param(
-            "resources: [a.yaml]\npatches:\n  - target: {kind: Secret}\n"
-            "    patch: '[{op: add, path: /data, value: {}}]'\n",
-            {},
-            "matches no resource",
-            id="patch-without-target",
-        ),
-        pytest.param("resources: [a.yaml, b.yaml]\n", {"b.yaml": None}, "twice", id="duplicate"),
-        pytest.param("resources: [missing.yaml]\n", {}, "does not exist", id="missing-file"),
-    ],
-)
-def test_lite_renderer_refuses_what_it_does_not_support(
-    tmp_path: Path, kustomization: str, files: dict[str, None], message: str
-) -> None:
-    cm = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a, namespace: n}\n"
-    (tmp_path / "a.yaml").write_text(cm)
-    for name in files:
-        (tmp_path / name).write_text(cm)
-    (tmp_path / "kustomization.yaml").write_text(kustomization)
-    with pytest.raises(KustomizeError, match=message):
-        build(tmp_path)
-
-
-def test_lite_renderer_patches_images_and_labels(tmp_path: Path) -> None:
-    (tmp_path / "d.yaml").write_text(
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d, namespace: n}\n"
-        "spec:\n  template:\n    spec:\n      containers:\n"
-        "        - {name: a, image: 'reg:5000/app:1'}\n        - {name: b, image: other}\n"
-        "      initContainers:\n        - {name: c, image: app}\n"
-    )
-    (tmp_path / "kustomization.yaml").write_text(
-        "resources: [d.yaml]\n"
-        "images:\n  - {name: 'reg:5000/app', newTag: '2'}\n"
-        "  - {name: app, newName: r/app, digest: 'sha256:f'}\n"
-        "labels: [{pairs: {team: llm}}]\n"
-        "patches:\n  - target: {kind: Deployment, name: d}\n"
-        "    patch: '[{op: add, path: /spec/replicas, value: 3},"
-        " {op: remove, path: /spec/template/spec/containers/1}]'\n"
-    )
-    [dep] = build(tmp_path)
-    assert dep["spec"]["replicas"] == 3
-    assert dep["spec"]["template"]["spec"]["containers"] == [
-        {"name": "a", "image": "reg:5000/app:2"}
-    ]
-    assert dep["spec"]["template"]["spec"]["initContainers"][0]["image"] == "r/app@sha256:f"
-    assert dep["metadata"]["labels"] == {"team": "llm"}
-    assert "labels" not in dep["spec"]["template"].get("metadata", {})
+# --- what deploy/ relies on kustomize for --------------------------------------------------------
 
 
 def _write_tree(root: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
+
+
+def test_patches_images_and_labels_touch_only_what_they_name(
+    tmp_path: Path, render: Kustomize
+) -> None:
+    _write_tree(
+        tmp_path,
+        {
+            "d.yaml": (
+                "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: d, namespace: n}\n"
+                "spec:\n  template:\n    spec:\n      containers:\n"
+                "        - {name: a, image: 'reg:5000/app:1'}\n        - {name: b, image: other}\n"
+                "      initContainers:\n        - {name: c, image: app}\n"
+            ),
+            "kustomization.yaml": (
+                "resources: [d.yaml]\n"
+                "images:\n  - {name: 'reg:5000/app', newTag: '2'}\n"
+                "  - {name: app, newName: r/app, digest: 'sha256:f'}\n"
+                "labels: [{pairs: {team: llm}}]\n"
+                "patches:\n  - target: {kind: Deployment, name: d}\n    patch: |-\n"
+                "      - {op: add, path: /spec/replicas, value: 3}\n"
+                "      - {op: remove, path: /spec/template/spec/containers/1}\n"
+            ),
+        },
+    )
+    [dep] = render.build(tmp_path)
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["template"]["spec"]["containers"] == [
+        {"name": "a", "image": "reg:5000/app:2"}
+    ]
+    assert dep["spec"]["template"]["spec"]["initContainers"][0]["image"] == "r/app@sha256:f"
+    # `labels` (unlike the deprecated `commonLabels`) leave selectors and pod templates alone.
+    assert dep["metadata"]["labels"] == {"team": "llm"}
+    assert "labels" not in dep["spec"]["template"].get("metadata", {})
 
 
 _CM = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a, namespace: n}\ndata: {X: '1'}\n"
@@ -309,63 +292,56 @@ _COMPONENT = (
     "      - {op: replace, path: /data/X, value: '2'}\n"
 )
 _SERVICE = "apiVersion: v1\nkind: Service\nmetadata: {name: s, namespace: n}\n"
+_TREE = {
+    "base/kustomization.yaml": "resources: [cm.yaml]\n",
+    "base/cm.yaml": _CM,
+    "again/kustomization.yaml": "resources: [cm.yaml]\n",
+    "again/cm.yaml": _CM,
+    "comp/kustomization.yaml": _COMPONENT,
+    "comp/s.yaml": _SERVICE,
+}
 
 
-def test_lite_renderer_applies_components_like_kubectl(tmp_path: Path) -> None:
-    _write_tree(
-        tmp_path,
-        {
-            "base/kustomization.yaml": "resources: [cm.yaml]\n",
-            "base/cm.yaml": _CM,
-            "comp/kustomization.yaml": _COMPONENT,
-            "comp/s.yaml": _SERVICE,
-            "ov/kustomization.yaml": (
-                "resources: [../base]\ncomponents: [../comp]\nlabels: [{pairs: {p: q}}]\n"
-            ),
-        },
-    )
-    cm, svc = build(tmp_path / "ov")
+def test_components_patch_what_the_including_overlay_brought(
+    tmp_path: Path, render: Kustomize
+) -> None:
+    overlay = "resources: [../base]\ncomponents: [../comp]\nlabels: [{pairs: {p: q}}]\n"
+    _write_tree(tmp_path, {**_TREE, "ov/kustomization.yaml": overlay})
+    objs = {o["kind"]: o for o in render.build(tmp_path / "ov")}
+    assert set(objs) == {"ConfigMap", "Service"}
+    cm, svc = objs["ConfigMap"], objs["Service"]
     # The component patches what the overlay's resources brought and adds its own objects;
     # the overlay's labels then reach both.
     assert cm["data"] == {"X": "2"}
-    assert svc["kind"] == "Service"
     assert cm["metadata"]["labels"] == svc["metadata"]["labels"] == {"p": "q"}
-    if shutil.which("kubectl"):
-        theirs = {resource_id(o): o for o in kubectl_build(tmp_path / "ov")}
-        assert theirs == {resource_id(o): o for o in (cm, svc)}
 
 
 @pytest.mark.parametrize(
     ("overlay", "message"),
     [
-        pytest.param("resources: [../comp]\n", "not a Component", id="component-as-resource"),
+        pytest.param(
+            "resources: [../comp]\n", "expected kind != 'Component'", id="component-as-resource"
+        ),
         pytest.param(
             "resources: [../base]\ncomponents: [../base]\n",
-            "expected a Component",
-            id="kustomization",
+            "expected kind 'Component'",
+            id="kustomization-as-component",
         ),
-        pytest.param("components: [../cm.yaml]\n", "not a directory", id="file"),
+        pytest.param("components: [../base/cm.yaml]\n", "file is not directory", id="file"),
+        pytest.param("resources: [../base, ../again]\n", "already registered id", id="duplicate"),
+        pytest.param("resources: [missing.yaml]\n", "no such file", id="missing-file"),
     ],
 )
-def test_lite_renderer_refuses_misused_components(
-    tmp_path: Path, overlay: str, message: str
+def test_a_broken_kustomization_fails_with_kubectls_message(
+    tmp_path: Path, render: Kustomize, overlay: str, message: str
 ) -> None:
-    _write_tree(
-        tmp_path,
-        {
-            "cm.yaml": _CM,
-            "base/kustomization.yaml": "resources: [../cm.yaml]\n",
-            "comp/kustomization.yaml": _COMPONENT,
-            "comp/s.yaml": _SERVICE,
-            "ov/kustomization.yaml": overlay,
-        },
-    )
-    with pytest.raises(KustomizeError, match=message):
-        build(tmp_path / "ov")
+    _write_tree(tmp_path, {**_TREE, "ov/kustomization.yaml": overlay})
+    with pytest.raises(RenderError, match=message):
+        render.build(tmp_path / "ov")
 
 
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
-def test_objects_are_well_formed(overlay: str) -> None:
+def test_objects_are_well_formed(overlay: str, render: Kustomize) -> None:
     objs = render(overlay)
     ids = [resource_id(o) for o in objs]
     assert len(ids) == len(set(ids))
@@ -382,7 +358,9 @@ def test_objects_are_well_formed(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
-def test_gateway_objects_validate_against_crd_schemas(overlay: str) -> None:
+def test_gateway_objects_validate_against_crd_schemas(
+    overlay: str, render: Kustomize, crds: Crds
+) -> None:
     checked = [o for o in render(overlay) if group_of(o) in GATEWAY_GROUPS]
     expected = {
         "GatewayClass",
@@ -393,7 +371,7 @@ def test_gateway_objects_validate_against_crd_schemas(overlay: str) -> None:
         "BackendTrafficPolicy",
     } | ({"EnvoyPatchPolicy"} if overlay != "override-host" else set())
     assert {o["kind"] for o in checked} == expected
-    problems = {f"{o['kind']}/{o['metadata']['name']}": schema_errors(o) for o in checked}
+    problems = {f"{o['kind']}/{o['metadata']['name']}": schema_errors(crds, o) for o in checked}
     assert problems == {key: [] for key in problems}, problems
 
 
@@ -439,12 +417,12 @@ def _set(path: str, value: Any) -> Callable[[Obj], None]:
     ],
 )
 def test_schema_check_catches_mistakes(
-    kind: str, mutate: Callable[[Obj], None], expect: str
+    kind: str, mutate: Callable[[Obj], None], expect: str, render: Kustomize, crds: Crds
 ) -> None:
     obj = one(render("original-dst"), kind)
-    assert schema_errors(obj) == []
+    assert schema_errors(crds, obj) == []
     mutate(obj)
-    errors = schema_errors(obj)
+    errors = schema_errors(crds, obj)
     assert any(expect in e for e in errors), errors
 
 
@@ -569,8 +547,15 @@ _CEL_RULES: list[tuple[str, str, Callable[[Obj], bool]]] = [
 @pytest.mark.parametrize(
     ("kind", "message", "rule"), _CEL_RULES, ids=[f"{k}:{m[:40]}" for k, m, _ in _CEL_RULES]
 )
-def test_cel_rules_hold(overlay: str, kind: str, message: str, rule: Callable[[Obj], bool]) -> None:
-    assert message in cel_messages(kind), f"the {kind} CRD no longer has this rule: {message}"
+def test_cel_rules_hold(
+    overlay: str,
+    kind: str,
+    message: str,
+    rule: Callable[[Obj], bool],
+    render: Kustomize,
+    crds: Crds,
+) -> None:
+    assert message in cel_messages(crds, kind), f"the {kind} CRD no longer has this rule: {message}"
     objs = find(render(overlay), kind)
     assert objs
     for obj in objs:
@@ -581,7 +566,8 @@ def test_cel_rules_hold(overlay: str, kind: str, message: str, rule: Callable[[O
 
 
 def _service_port(service: Obj, port: int) -> Obj:
-    [entry] = [p for p in service["spec"]["ports"] if p["port"] == port]
+    entries: list[Obj] = [p for p in service["spec"]["ports"] if p["port"] == port]
+    [entry] = entries
     return entry
 
 
@@ -592,7 +578,8 @@ def _container_port(container: Obj, name: str) -> int:
 
 def _plugin_container(objs: list[Obj]) -> Obj:
     dep = one(objs, "Deployment", "hetero-gateway")
-    [container] = dep["spec"]["template"]["spec"]["containers"]
+    containers: list[Obj] = dep["spec"]["template"]["spec"]["containers"]
+    [container] = containers
     return container
 
 
@@ -601,7 +588,7 @@ def _selects(service: Obj, pod_labels: dict[str, str]) -> bool:
 
 
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
-def test_extension_policy_wires_the_plugin(overlay: str) -> None:
+def test_extension_policy_wires_the_plugin(overlay: str, render: Kustomize) -> None:
     objs = render(overlay)
     eep = one(objs, "EnvoyExtensionPolicy")
     route = one(objs, "HTTPRoute")
@@ -650,7 +637,7 @@ def test_extension_policy_wires_the_plugin(overlay: str) -> None:
     assert min(breaker.values()) >= 100_000
 
 
-def test_variants_differ_only_where_they_must() -> None:
+def test_variants_differ_only_where_they_must(render: Kustomize) -> None:
     fail_closed, fail_open = (render(o) for o in OVERLAYS)
     eep_closed = one(fail_closed, "EnvoyExtensionPolicy")
     eep_open = one(fail_open, "EnvoyExtensionPolicy")
@@ -671,7 +658,7 @@ def test_variants_differ_only_where_they_must() -> None:
     }
 
 
-def test_route_rule_zero_holds_exactly_the_paths_the_plugin_routes() -> None:
+def test_route_rule_zero_holds_exactly_the_paths_the_plugin_routes(render: Kustomize) -> None:
     route = one(render("original-dst"), "HTTPRoute")
     llm_rule, rest = route["spec"]["rules"]
     assert {(m["method"], m["path"]["type"], m["path"]["value"]) for m in llm_rule["matches"]} == {
@@ -686,7 +673,7 @@ def test_route_rule_zero_holds_exactly_the_paths_the_plugin_routes() -> None:
 _JSONPATH = re.compile(r"\.\.routes\[\?match\(@\.name, '(?P<regex>[^']+)'\)\]")
 
 
-def test_patch_policy_names_match_the_rendered_resources() -> None:
+def test_patch_policy_names_match_the_rendered_resources(render: Kustomize) -> None:
     objs = render("original-dst")
     epp = one(objs, "EnvoyPatchPolicy")
     gateway = one(objs, "Gateway")
@@ -733,7 +720,7 @@ def test_patch_policy_names_match_the_rendered_resources() -> None:
                 assert bool(regex.fullmatch(name)) is (rule_index == 0), name
 
 
-def test_patch_policy_cluster_is_the_standalone_original_dst_cluster() -> None:
+def test_patch_policy_cluster_is_the_standalone_original_dst_cluster(render: Kustomize) -> None:
     epp = one(render("original-dst"), "EnvoyPatchPolicy")
     cluster = epp["spec"]["jsonPatches"][0]["operation"]["value"]
     [standalone] = [
@@ -747,7 +734,7 @@ def test_patch_policy_cluster_is_the_standalone_original_dst_cluster() -> None:
     assert cluster["original_dst_lb_config"]["http_header_name"] == TARGET_POD_HEADER
 
 
-def test_override_host_follows_the_pick_and_falls_back_to_round_robin() -> None:
+def test_override_host_follows_the_pick_and_falls_back_to_round_robin(render: Kustomize) -> None:
     objs = render("override-host")
     assert find(objs, "EnvoyPatchPolicy") == []
     route = one(objs, "HTTPRoute")
@@ -777,13 +764,13 @@ def test_override_host_follows_the_pick_and_falls_back_to_round_robin() -> None:
         assert {int(labels["model.aibrix.ai/port"]) for labels in pods} == {target}
 
 
-def test_fail_closed_variant_has_no_endpoint_override() -> None:
+def test_fail_closed_variant_has_no_endpoint_override(render: Kustomize) -> None:
     btp = one(render("original-dst"), "BackendTrafficPolicy")
     assert "loadBalancer" not in btp["spec"]
 
 
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
-def test_buffer_limits_equal_the_plugin_message_limit(overlay: str) -> None:
+def test_buffer_limits_equal_the_plugin_message_limit(overlay: str, render: Kustomize) -> None:
     objs = render(overlay)
     limit = DEFAULT_MAX_MESSAGE_BYTES
     assert EnvoyOptions().max_request_bytes == limit
@@ -809,7 +796,7 @@ def test_buffer_limits_equal_the_plugin_message_limit(overlay: str) -> None:
         assert value["per_connection_buffer_limit_bytes"] == limit
 
 
-def test_stream_idle_timeout_matches_the_standalone_bootstrap() -> None:
+def test_stream_idle_timeout_matches_the_standalone_bootstrap(render: Kustomize) -> None:
     ctp = one(render("original-dst"), "ClientTrafficPolicy")
     listener = render_bootstrap(EnvoyOptions())["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
@@ -852,7 +839,7 @@ def check_plugin_probes_and_resources(container: Obj) -> None:
         pytest.param(_set("resources", {"limits": {"memory": "1Gi"}}), id="no-requests"),
     ],
 )
-def test_probe_check_catches_mistakes(mutate: Callable[[Obj], None]) -> None:
+def test_probe_check_catches_mistakes(mutate: Callable[[Obj], None], render: Kustomize) -> None:
     container = _plugin_container(render("original-dst"))
     check_plugin_probes_and_resources(container)
     mutate(container)
@@ -861,7 +848,7 @@ def test_probe_check_catches_mistakes(mutate: Callable[[Obj], None]) -> None:
 
 
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
-def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
+def test_plugin_deployment_matches_plugin_defaults(overlay: str, render: Kustomize) -> None:
     objs = render(overlay)
     defaults = Settings()
     dep = one(objs, "Deployment", "hetero-gateway")
@@ -921,7 +908,7 @@ def test_plugin_deployment_matches_plugin_defaults(overlay: str) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
 
 
-def test_sample_model_spans_two_gpu_types_behind_one_service() -> None:
+def test_sample_model_spans_two_gpu_types_behind_one_service(render: Kustomize) -> None:
     objs = render("original-dst")
     service = one(objs, "Service", "llama-3-8b")
     model = service["spec"]["selector"]["model.aibrix.ai/name"]
@@ -954,7 +941,8 @@ REDIS = "hetero-gateway-redis"
 
 
 def _pod_labels(dep: Obj) -> dict[str, str]:
-    return dep["spec"]["template"]["metadata"]["labels"]
+    labels: dict[str, str] = dep["spec"]["template"]["metadata"]["labels"]
+    return labels
 
 
 def _redis_args(container: Obj) -> dict[str, str]:
@@ -1064,11 +1052,11 @@ def check_shared_state(objs: list[Obj]) -> None:
         assert not _service_links(svc) & known, svc["metadata"]["name"]
 
 
-def test_shared_state_overlay_runs_replicas_against_one_redis() -> None:
+def test_shared_state_overlay_runs_replicas_against_one_redis(render: Kustomize) -> None:
     check_shared_state(render(SHARED_STATE))
 
 
-def test_shared_state_overlay_changes_only_redis_things() -> None:
+def test_shared_state_overlay_changes_only_redis_things(render: Kustomize) -> None:
     shared = {resource_id(o): o for o in render(SHARED_STATE)}
     plain = {resource_id(o): o for o in render("original-dst")}
     added = {(kind, name) for _, kind, _, name in set(shared) - set(plain)}
@@ -1180,7 +1168,9 @@ _REDIS_SCRIPT = "spec.template.spec.containers.0.command.2"
         ),
     ],
 )
-def test_shared_state_check_catches_mistakes(mutate: Callable[[list[Obj]], None]) -> None:
+def test_shared_state_check_catches_mistakes(
+    mutate: Callable[[list[Obj]], None], render: Kustomize
+) -> None:
     objs = render(SHARED_STATE)
     check_shared_state(objs)
     mutate(objs)
@@ -1188,7 +1178,7 @@ def test_shared_state_check_catches_mistakes(mutate: Callable[[list[Obj]], None]
         check_shared_state(objs)
 
 
-def test_shared_state_component_also_fits_override_host(tmp_path: Path) -> None:
+def test_shared_state_component_also_fits_override_host(tmp_path: Path, render: Kustomize) -> None:
     """The component adds to either variant; here to override-host, which stays fail-open."""
     overlay = tmp_path / "overlay"
     overlay.mkdir()
@@ -1200,11 +1190,7 @@ def test_shared_state_component_also_fits_override_host(tmp_path: Path) -> None:
         f"resources: [{rel(DEPLOY / 'overlays' / 'override-host')}]\n"
         f"components: [{rel(SHARED_STATE_COMPONENT)}]\n"
     )
-    objs = build(overlay)
-    if shutil.which("kubectl"):
-        assert {resource_id(o): o for o in kubectl_build(overlay)} == {
-            resource_id(o): o for o in objs
-        }
+    objs = render.build(overlay)
     check_shared_state(objs)
     assert one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] is True
     assert find(objs, "EnvoyPatchPolicy") == []
@@ -1263,7 +1249,7 @@ def test_dockerfile_installs_runtime_dependencies_only() -> None:
 
 
 def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies() -> None:
-    sources = set()
+    sources: set[str] = set()
     for ins, args in _dockerfile():
         if ins == "COPY" and "--from=" not in args:
             *srcs, _dest = args.split()

@@ -23,6 +23,8 @@ from plugin.core.pool import PodPool
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
+pytestmark = pytest.mark.component
+
 SRC = "pods.yaml"
 POLL_S = 0.02
 WAIT_S = 5.0  # upper bound of every wait; a passing run waits a few polls

@@ -4,86 +4,43 @@ update must not cut streaming answers), refuses new ones, and never leaks an in-
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import grpc
-import orjson
 import pytest
 import pytest_asyncio
-import yaml
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from plugin.adapters.discovery import StaticFileSource, load_pods_file
+from plugin.adapters.discovery import load_pods_file
 from plugin.adapters.serve import Gateway
-from plugin.config import load_settings
 from plugin.core.types import Pod
+from tests.helpers import StartGateway, eventually, extproc_exchange, write_pods_file
+
+pytestmark = pytest.mark.component
 
 WAIT_S = 10.0  # bound of every wait; nothing here should take close to it
-
-
-def _headers(headers: dict[str, str]) -> base_pb2.HeaderMap:
-    return base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
-    )
-
-
-REQUEST_HEADERS = pb.ProcessingRequest(
-    request_headers=pb.HttpHeaders(
-        headers=_headers({":path": "/v1/chat/completions", ":method": "POST", ":authority": "g"})
-    )
-)
-REQUEST_BODY = pb.ProcessingRequest(
-    request_body=pb.HttpBody(
-        body=orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
-        end_of_stream=True,
-    )
-)
-RESPONSE_HEADERS = pb.ProcessingRequest(
-    response_headers=pb.HttpHeaders(
-        headers=_headers({":status": "200", "content-type": "application/json"})
-    )
-)
-RESPONSE_BODY = pb.ProcessingRequest(
-    response_body=pb.HttpBody(
-        body=orjson.dumps({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 7}}),
-        end_of_stream=True,
-    )
-)
-KEY = "ns/a"
+POD = Pod("a", "ns", "m", "127.0.0.1", 9, 9)  # never contacted: scraping is off, Envoy absent
+KEY = POD.key
+REQUEST_HEADERS, REQUEST_BODY, RESPONSE_HEADERS, RESPONSE_BODY = extproc_exchange("m", 7)
 
 
 @pytest_asyncio.fixture
-async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
-    pods = tmp_path / "pods.yaml"
-    doc = {
-        "models": {
-            "m": {"pods": [{"name": "a", "namespace": "ns", "address": "127.0.0.1", "port": 9}]}
-        }
-    }
-    pods.write_text(yaml.safe_dump(doc), encoding="utf-8")
+async def gateway(
+    tmp_path: Path, request: pytest.FixtureRequest, start_gateway: StartGateway
+) -> Gateway:
+    """A gateway whose drain limit is the test's parameter (seconds)."""
     env = {
         "HETERO_GATEWAY_DRAIN_S": str(request.param),
         "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "60000",
     }
-    settings = dataclasses.replace(load_settings(env), grpc_port=0, http_port=0)
-    gw = Gateway(settings, StaticFileSource(str(pods), poll_s=30.0), "127.0.0.1")
-    await gw.start()
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not gw.pool.loaded:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
-        yield gw
-    finally:
-        await gw.stop()
+    return await start_gateway(write_pods_file(tmp_path / "pods.yaml", [POD]), env)
 
 
-async def _routed_call(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
+async def _routed_call(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamStreamCall:
     """A request that has been routed and now waits for its response: it holds a lease."""
     call = stub.Process()
     for message in (REQUEST_HEADERS, REQUEST_BODY):
@@ -94,12 +51,7 @@ async def _routed_call(stub: pb_grpc.ExternalProcessorStub) -> grpc.aio.StreamSt
 
 
 async def _until(check: Callable[[], bool], what: str) -> None:
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not check():  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        pytest.fail(f"timed out waiting for {what}")
+    await eventually(check, what, limit_s=WAIT_S, interval_s=0.02)
 
 
 @pytest.mark.parametrize("gateway", [20.0], indirect=True)
@@ -163,21 +115,9 @@ class _Broken:
 
 
 async def test_a_dying_background_loop_is_logged(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, start_gateway: StartGateway
 ) -> None:
-    pods = tmp_path / "pods.yaml"
-    doc = {
-        "models": {
-            "m": {"pods": [{"name": "a", "namespace": "ns", "address": "127.0.0.1", "port": 9}]}
-        }
-    }
-    pods.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    settings = dataclasses.replace(load_settings({}), grpc_port=0, http_port=0)
-    gw = Gateway(settings, _Broken(pods), "127.0.0.1")  # type: ignore[arg-type]
-    await gw.start()
-    try:
-        await _until(lambda: "pod discovery failed" in caplog.text, "the error log")
-        assert "watch exploded" in caplog.text
-        assert gw.pool.loaded  # what was delivered keeps serving
-    finally:
-        await gw.stop()
+    gw = await start_gateway(_Broken(write_pods_file(tmp_path / "pods.yaml", [POD])))
+    await _until(lambda: "pod discovery failed" in caplog.text, "the error log")
+    assert "watch exploded" in caplog.text
+    assert gw.pool.loaded  # what was delivered keeps serving

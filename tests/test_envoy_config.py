@@ -11,8 +11,10 @@ import yaml
 
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, render_bootstrap
+from tests.helpers import REPO, bootstrap_hcm
 
-REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.component
+
 CHECKED_IN = REPO / "envoy" / "envoy.yaml"
 
 
@@ -28,12 +30,6 @@ def _run_cli(argv: list[str]) -> int:
     return int(args.func(args))
 
 
-def _hcm(boot: dict[str, Any]) -> dict[str, Any]:
-    listener = boot["static_resources"]["listeners"][0]
-    hcm: dict[str, Any] = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm
-
-
 def _cluster(boot: dict[str, Any], name: str) -> dict[str, Any]:
     (cluster,) = [c for c in boot["static_resources"]["clusters"] if c["name"] == name]
     assert isinstance(cluster, dict)
@@ -42,11 +38,6 @@ def _cluster(boot: dict[str, Any], name: str) -> dict[str, Any]:
 
 def _strip_comments(text: str) -> str:
     return "".join(line for line in text.splitlines(keepends=True) if not line.startswith("#"))
-
-
-@pytest.fixture(scope="module")
-def envoy() -> str:
-    return ec.envoy_binary()
 
 
 # --- facts ----------------------------------------------------------------------------------------
@@ -61,7 +52,7 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
         "use_http_header": True,
         "http_header_name": "target-pod",
     }
-    route = _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]
+    route = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]
     assert route["match"] == {"prefix": "/"}
     assert route["route"]["cluster"] == ec.ORIGINAL_DST_CLUSTER
     assert route["route"]["timeout"] == "0s"  # the whole streamed answer must not be cut
@@ -83,7 +74,7 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
     count_mode: str, names: list[str], routing_body_mode: str
 ) -> None:
     boot = render_bootstrap(EnvoyOptions(count_mode=count_mode))
-    filters = _hcm(boot)["http_filters"]
+    filters = bootstrap_hcm(boot)["http_filters"]
     assert [f["name"] for f in filters] == names
     cfg = filters[0]["typed_config"]
     assert cfg["@type"].endswith("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor")
@@ -109,7 +100,7 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
         assert count["processing_mode"]["response_body_mode"] == "STREAMED"
 
 
-def test_streamed_count_mode_validates_with_envoy(tmp_path: Path) -> None:
+def test_streamed_count_mode_validates_with_envoy(tmp_path: Path, envoy_binary: str) -> None:
     path = tmp_path / "streamed.yaml"
     path.write_text(bootstrap_yaml(EnvoyOptions(count_mode="streamed")))
     ec.validate_bootstrap(path)
@@ -220,13 +211,13 @@ def test_checked_in_bootstrap_matches_default_rendering() -> None:
     ],
     ids=["defaults", "fail-open-other-ports-dns-64MiB", "override-host"],
 )
-def test_envoy_accepts_rendering(opts: EnvoyOptions, tmp_path: Path, envoy: str) -> None:
+def test_envoy_accepts_rendering(opts: EnvoyOptions, tmp_path: Path, envoy_binary: str) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(bootstrap_yaml(opts), encoding="utf-8")
     ec.validate_bootstrap(path)
 
 
-def test_envoy_rejection_raises_with_envoys_message(tmp_path: Path, envoy: str) -> None:
+def test_envoy_rejection_raises_with_envoys_message(tmp_path: Path, envoy_binary: str) -> None:
     path = tmp_path / "envoy.yaml"
     text = bootstrap_yaml(EnvoyOptions()).replace("BUFFERED", "BUFFERD")
     path.write_text(text, encoding="utf-8")
@@ -235,7 +226,7 @@ def test_envoy_rejection_raises_with_envoys_message(tmp_path: Path, envoy: str) 
 
 
 def test_cli_out_writes_a_file_envoy_accepts(
-    tmp_path: Path, envoy: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, envoy_binary: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ec.MAX_MESSAGE_ENV, str(8 * 1024 * 1024))
     out = tmp_path / "boot.yaml"
@@ -248,7 +239,7 @@ def test_cli_out_writes_a_file_envoy_accepts(
     assert boot["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == (
         8 * 1024 * 1024
     )
-    assert _hcm(boot)["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
+    assert bootstrap_hcm(boot)["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
 
 
 # --- CLI without Envoy ----------------------------------------------------------------------------
@@ -307,11 +298,11 @@ def test_override_host_picks_members_by_metadata_and_falls_back_to_round_robin()
     ]
     (fallback,) = config["fallback_policy"]["policies"]
     assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
-    route = _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    route = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     assert route["cluster"] == ec.OVERRIDE_HOST_CLUSTER
 
 
-def test_cli_override_host_flags_round_trip(tmp_path: Path, envoy: str) -> None:
+def test_cli_override_host_flags_round_trip(tmp_path: Path, envoy_binary: str) -> None:
     out = tmp_path / "boot.yaml"
     argv = ["envoy-config", "--out", str(out), "--steering", "override-host", "--fail-open"]
     argv += ["--endpoints", "10.0.0.1:8000,10.0.0.2:8000", "--max-request-bytes", "4194304"]

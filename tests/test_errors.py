@@ -17,6 +17,8 @@ from plugin.errors import (
     error_type,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("err", "status", "etype", "code", "header", "message"),

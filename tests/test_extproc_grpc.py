@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import grpc
 import orjson
 import pytest
 import pytest_asyncio
-import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -30,9 +28,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
 from plugin.adapters.serve import Gateway
-from plugin.config import Settings, load_settings
 from plugin.core.strategies import Admission, Route, Strategy, Wait, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
+from tests.helpers import StartGateway, eventually, gateway_settings, header_map, write_pods_file
+
+pytestmark = pytest.mark.component
 
 MODEL = "m"
 WAIT_S = 5.0  # bound of every "until" wait; a passing run waits a few milliseconds
@@ -44,13 +44,6 @@ COMPLETION_TOKENS = 17
 
 
 # --- Envoy-shaped messages ----------------------------------------------------------------------
-
-
-def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
-    # Envoy (>= 1.27) sends values in raw_value and leaves value empty.
-    return base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
-    )
 
 
 # A request-headers reply continues and strips client-sent steering headers.
@@ -88,7 +81,7 @@ def request_headers(
         headers["routing-strategy"] = strategy
     headers.update(extra or {})
     return pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
+        request_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream)
     )
 
 
@@ -100,7 +93,7 @@ def request_body(body: bytes | dict[str, Any]) -> pb.ProcessingRequest:
 def response_headers(status: int = 200, end_of_stream: bool = False) -> pb.ProcessingRequest:
     headers = {":status": str(status), "content-type": "text/event-stream"}
     return pb.ProcessingRequest(
-        response_headers=pb.HttpHeaders(headers=_header_map(headers), end_of_stream=end_of_stream)
+        response_headers=pb.HttpHeaders(headers=header_map(headers), end_of_stream=end_of_stream)
     )
 
 
@@ -154,40 +147,15 @@ def set_header_values(mutation: pb.HeaderMutation) -> dict[str, str]:
 # --- fixtures -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def reserved_ports() -> Iterator[list[int]]:
-    """Two loopback ports bound but not listening: connections are refused, nobody takes them."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        yield [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+# Scrapes of the (refusing) pods stay out of the way: one every 30 s.
+SETTINGS_ENV = {"AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "30000"}
 
 
 @pytest.fixture
-def pods_file(tmp_path: Path, reserved_ports: list[int]) -> Path:
-    doc = {
-        "models": {
-            MODEL: {
-                "pods": [
-                    {"name": "a", "address": "127.0.0.1", "port": reserved_ports[0]},
-                    {"name": "b", "address": "127.0.0.1", "port": reserved_ports[1]},
-                ]
-            }
-        }
-    }
-    path = tmp_path / "pods.yaml"
-    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    return path
-
-
-def _settings() -> Settings:
-    return dataclasses.replace(
-        load_settings({}), grpc_port=0, http_port=0, metric_refresh_interval_s=30.0
-    )
+def pods_file(tmp_path: Path, reserve_port: Callable[[], int]) -> Path:
+    """Two pods on loopback ports that refuse connections: nothing is forwarded to them."""
+    pods = [Pod(n, "default", MODEL, "127.0.0.1", reserve_port(), 0) for n in ("a", "b")]
+    return write_pods_file(tmp_path / "pods.yaml", pods)
 
 
 @dataclass
@@ -206,17 +174,18 @@ class Running:
         return self.pods[text].key
 
 
+async def _connected(gateway: Gateway, pods_file: Path) -> AsyncIterator[Running]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+        pods = {p.endpoint: p for p in load_pods_file(str(pods_file))}
+        yield Running(gateway, channel, pb_grpc.ExternalProcessorStub(channel), pods)
+
+
 @pytest_asyncio.fixture
-async def running(pods_file: Path) -> AsyncIterator[Running]:
-    gateway = Gateway(_settings(), StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
-    await gateway.start()
-    try:
-        assert gateway.grpc_port > 0 and gateway.http_port > 0
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
-            pods = {p.endpoint: p for p in load_pods_file(str(pods_file))}
-            yield Running(gateway, channel, pb_grpc.ExternalProcessorStub(channel), pods)
-    finally:
-        await gateway.stop()
+async def running(pods_file: Path, start_gateway: StartGateway) -> AsyncIterator[Running]:
+    gateway = await start_gateway(pods_file, SETTINGS_ENV)
+    assert gateway.grpc_port > 0 and gateway.http_port > 0
+    async for r in _connected(gateway, pods_file):
+        yield r
 
 
 class Stream:
@@ -238,15 +207,6 @@ class Stream:
         async with asyncio.timeout(WAIT_S):
             assert await self.call.read() is grpc.aio.EOF
             assert await self.call.code() == grpc.StatusCode.OK
-
-
-async def _eventually(check: Any, what: str) -> None:
-    """Poll a condition the server reaches asynchronously; fail after WAIT_S."""
-    for _ in range(int(WAIT_S / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 async def _route(r: Running, strategy: str | None = None) -> tuple[Stream, str]:
@@ -403,7 +363,7 @@ async def test_cancelled_stream_releases_in_flight(running: Running, phase: str)
 
     stream.call.cancel()
 
-    await _eventually(lambda: pool.inflight(key) == 0, f"{key} released after cancel")
+    await eventually(lambda: pool.inflight(key) == 0, f"{key} released after cancel")
     assert pool.routed_total(key) == 1
 
 
@@ -423,7 +383,9 @@ async def test_stream_ended_by_envoy_before_response_releases_in_flight(
 async def test_second_gateway_cannot_take_a_busy_grpc_port(
     running: Running, pods_file: Path
 ) -> None:
-    settings = dataclasses.replace(_settings(), grpc_port=running.gateway.grpc_port)
+    settings = dataclasses.replace(
+        gateway_settings(SETTINGS_ENV), grpc_port=running.gateway.grpc_port
+    )
     second = Gateway(settings, StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
     try:
         with pytest.raises((OSError, RuntimeError)):
@@ -486,7 +448,7 @@ async def test_counting_filter_credits_tokens_without_replying(
     async with asyncio.timeout(WAIT_S):
         replies = [r async for r in call]
     assert replies == []  # Envoy ignores replies in observability mode: none are sent
-    await _eventually(lambda: pool.output_tokens_total(pod.key) == 23, "tokens credited")
+    await eventually(lambda: pool.output_tokens_total(pod.key) == 23, "tokens credited")
     assert pool.inflight(pod.key) == 0  # counting never holds an in-flight slot
     assert pool.routed_total(pod.key) == 0
 
@@ -517,7 +479,7 @@ async def test_counting_filter_ignores_failed_responses_and_unknown_pods(
     messages.append(_observed(response_body(b"", end_of_stream=True)))
     async with asyncio.timeout(WAIT_S):
         assert [r async for r in running.stub.Process(iter(messages))] == []
-    await _eventually(lambda: pool.output_tokens_total(good_pod.key) == 5, "the good stream")
+    await eventually(lambda: pool.output_tokens_total(good_pod.key) == 5, "the good stream")
     assert pool.output_tokens_total(pod.key) == 0  # the 503 and the unknown pod: nothing
 
 
@@ -687,7 +649,7 @@ class GatedSource:
 
 async def test_not_serving_and_not_ready_until_discovery_delivers(pods_file: Path) -> None:
     source = GatedSource(load_pods_file(str(pods_file)))
-    gateway = Gateway(_settings(), source, "127.0.0.1")
+    gateway = Gateway(gateway_settings(SETTINGS_ENV), source, "127.0.0.1")
     await gateway.start()
     try:
         async with (
@@ -785,22 +747,17 @@ class OnePerPod:
 
 
 @pytest_asyncio.fixture(params=[30.0])
-async def holding(pods_file: Path, request: pytest.FixtureRequest) -> AsyncIterator[Running]:
+async def holding(
+    pods_file: Path, start_gateway: StartGateway, request: pytest.FixtureRequest
+) -> AsyncIterator[Running]:
     """A gateway whose default strategy is `OnePerPod` (two pods: the third request waits)."""
-    strategies: dict[str, Strategy] = {
-        **build_strategies(),
-        "one-per-pod": OnePerPod(request.param),
-    }
-    settings = dataclasses.replace(_settings(), default_strategy="one-per-pod")
-    source = StaticFileSource(str(pods_file), poll_s=30.0)
-    gateway = Gateway(settings, source, "127.0.0.1", strategies=strategies)
-    await gateway.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
-            pods = {p.endpoint: p for p in load_pods_file(str(pods_file))}
-            yield Running(gateway, channel, pb_grpc.ExternalProcessorStub(channel), pods)
-    finally:
-        await gateway.stop()
+    held = OnePerPod(request.param)
+    strategies: dict[str, Strategy] = {**build_strategies(), held.name: held}
+    gateway = await start_gateway(
+        pods_file, SETTINGS_ENV, strategies=strategies, default_strategy=held.name
+    )
+    async for r in _connected(gateway, pods_file):
+        yield r
 
 
 async def _held(r: Running) -> tuple[Stream, asyncio.Task[pb.ProcessingResponse]]:
@@ -809,7 +766,7 @@ async def _held(r: Running) -> tuple[Stream, asyncio.Task[pb.ProcessingResponse]
     assert await stream.send(request_headers()) == HEADERS_CONTINUE
     await stream.call.write(request_body(CHAT_BODY))
     reply = asyncio.ensure_future(stream.call.read())
-    await _eventually(lambda: r.gateway.router.waiting(MODEL) == 1, "the request to be held")
+    await eventually(lambda: r.gateway.router.waiting(MODEL) == 1, "the request to be held")
     assert not reply.done()
     return stream, reply
 
@@ -826,7 +783,7 @@ async def test_a_held_request_cancelled_by_the_client_leaves_nothing(holding: Ru
 
     stream.call.cancel()
 
-    await _eventually(lambda: holding.gateway.router.waiting() == 0, "the queue to empty")
+    await eventually(lambda: holding.gateway.router.waiting() == 0, "the queue to empty")
     assert _inflight(holding) == {key1: 1, key2: 1}
     # The slots the held request waited for free up: nobody takes them any more.
     for s in (first, second):
@@ -841,6 +798,13 @@ async def test_a_released_lease_wakes_a_held_request(holding: Running) -> None:
     first, key1 = await _route(holding)
     second, _ = await _route(holding)
     stream, reply = await _held(holding)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{holding.http}/metrics") as resp:
+            held = _samples(await resp.text(), "hetero_gateway_waiting_requests")
+        async with http.get(f"{holding.http}/debug/pods") as resp:
+            debug = await resp.json()
+    assert held == {(("model", MODEL),): 1.0}
+    assert debug["waiting"] == {MODEL: 1}
 
     await first.send(response_headers(200, end_of_stream=True))  # releases key1's slot
 

@@ -14,7 +14,6 @@ import asyncio
 import copy
 import json
 import logging
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,19 +40,14 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
+from tests.helpers import WAIT_S, eventually, free_port
 
-WAIT_S = 5.0  # upper bound of every wait; a passing run waits milliseconds
+pytestmark = pytest.mark.component
+
+# Every wait polls (helpers.eventually, every 10 ms, at most WAIT_S), because the conditions live
+# on both sides of a thread (the worker logs, the server counts, the loop delivers).
 LOGGER = "plugin.adapters.kubernetes"
 WATCH_TIMEOUT_S = 60
-
-
-async def eventually(done: Callable[[], bool], what: str) -> None:
-    """Poll `done` every 10 ms, for at most WAIT_S. Polling, because the conditions live on both
-    sides of a thread (the worker logs, the server counts, the loop delivers)."""
-    async with asyncio.timeout(WAIT_S):
-        while not done():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-    assert done(), what
 
 
 def pod_obj(
@@ -761,11 +755,8 @@ async def test_survives_the_api_server_restarting(
 
 async def test_first_delivery_waits_for_the_api_server(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    with socket.socket() as sock:  # a free port, with nothing listening on it yet
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     srv = FakeApiServer()
-    srv.port = port
+    srv.port = free_port()  # nothing listens on it yet
     run = Running(srv)
     run.start()
     try:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import statistics
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +20,9 @@ from plugin_tools.demo.loadgen import (
     arrival_times,
     run_open_loop,
 )
+from tests.helpers import ServeApp, free_port
+
+pytestmark = pytest.mark.component
 
 # ---------------------------------------------------------------------------------------------
 # Pure parts
@@ -160,7 +161,7 @@ async def _stream(request: web.Request, seen: _Seen, *, hang_s: float = 0.0) -> 
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[tuple[str, _Seen]]:
+async def engine(serve_app: ServeApp) -> tuple[str, _Seen]:
     seen = _Seen()
 
     async def ok(request: web.Request) -> web.StreamResponse:
@@ -182,15 +183,7 @@ async def engine() -> AsyncIterator[tuple[str, _Seen]]:
     app.router.add_post("/slow/v1/chat/completions", slow)
     app.router.add_post("/bad/v1/chat/completions", bad)
     app.router.add_post("/pace/v1/chat/completions", pace)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", seen
-    finally:
-        await runner.cleanup()
+    return f"http://127.0.0.1:{await serve_app(app)}", seen
 
 
 _WORKLOAD = Workload(
@@ -236,13 +229,6 @@ async def test_streams_parsed_against_real_server(engine: tuple[str, _Seen]) -> 
     assert sorted(r.output_tokens for r in results) == sent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 _SHORT = Workload(
     rate_per_s=20.0,
     duration_s=0.2,
@@ -271,7 +257,7 @@ async def test_timeout_and_transport_error_are_status_zero(engine: tuple[str, _S
     assert len(slow) == n
     assert all(r.status == 0 and r.error and "Timeout" in r.error for r in slow), slow
     assert all(r.replica in {"pod-0", "pod-1"} for r in slow)  # headers arrived before the hang
-    refused = await run_open_loop(f"http://127.0.0.1:{_free_port()}", "m", _SHORT, strategy=None)
+    refused = await run_open_loop(f"http://127.0.0.1:{free_port()}", "m", _SHORT, strategy=None)
     assert len(refused) == n
     assert all(r.status == 0 and r.error for r in refused)
 

@@ -32,6 +32,9 @@ from plugin_tools.mock_engine.model import (
     step_duration_s,
 )
 from plugin_tools.mock_engine.server import MockEngineHandle, start_mock_engine
+from tests.helpers import poll
+
+pytestmark = pytest.mark.component
 
 MODEL = "mock-llama"
 
@@ -305,12 +308,6 @@ async def make_engine() -> AsyncIterator[EngineFactory]:
         await handle.close()
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
-
-
 def _request(chat: bool, words: int = 3, **kw: Any) -> dict[str, Any]:
     text = " ".join(["word"] * words)
     body: dict[str, Any] = {"model": MODEL}
@@ -352,13 +349,9 @@ async def _wait_for(
     pred: Callable[[dict[str, float]], bool],
     within_s: float = 8.0,
 ) -> dict[str, float]:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while True:
-        m = await _metrics(http, handle)
-        if pred(m):
-            return m
-        assert asyncio.get_running_loop().time() < deadline, f"metrics never matched: {m}"
-        await asyncio.sleep(0.01)
+    return await poll(
+        lambda: _metrics(http, handle), pred, "the metrics", limit_s=within_s, interval_s=0.01
+    )
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])

@@ -9,6 +9,8 @@ from plugin.core.pool import EjectionPolicy, PodPool
 from plugin.core.types import EngineMetrics, Pod
 from plugin.errors import NoReadyPod, UnknownModel
 
+pytestmark = pytest.mark.unit
+
 
 def pod(name: str, model: str = "m", ready: bool = True, ns: str = "default") -> Pod:
     return Pod(

@@ -13,36 +13,39 @@ import dataclasses
 import logging
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 import grpc
-import orjson
 import pytest
 import pytest_asyncio
-import yaml
-from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from plugin.adapters.discovery import StaticFileSource
 from plugin.adapters.redis_state import (
     GATEWAYS_KEY,
     RedisState,
     inflight_key,
     tokens_key,
 )
-from plugin.adapters.serve import Gateway
-from plugin.config import RedisSettings, load_settings
+from plugin.config import RedisSettings
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
 from plugin.core.types import Pod
-from plugin_tools.demo.fleet import free_port
 from plugin_tools.demo.redis_server import RedisServer
+from tests.helpers import (
+    StartGateway,
+    debug_pods,
+    eventually,
+    extproc_exchange,
+    free_port,
+    metric_value,
+    write_pods_file,
+)
+
+pytestmark = pytest.mark.component
 
 WAIT_S = 5.0  # bound of every "until" wait
 SYNC_S = 0.05
@@ -56,12 +59,6 @@ def pod(name: str, port: int = 8000) -> Pod:
 
 
 X, Y = pod("x", 8001), pod("y", 8002)
-
-
-@pytest_asyncio.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    async with RedisServer() as server:
-        yield server
 
 
 @dataclasses.dataclass
@@ -112,16 +109,6 @@ async def members(redis_server: RedisServer) -> AsyncIterator[Callable[..., Memb
     for m in made:
         await m.crash()
         await m.state.close()
-
-
-async def eventually(check: Callable[[], bool], what: str, limit_s: float = WAIT_S) -> float:
-    """Poll until `check()`; returns the seconds it took; fails after `limit_s`."""
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > limit_s:
-            pytest.fail(f"timed out after {limit_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - started
 
 
 def hold(pool: PodPool, p: Pod, n: int) -> list[Lease]:
@@ -331,36 +318,12 @@ async def test_sync_costs_no_redis_call_per_request(
 # --- a whole gateway under traffic while Redis dies ---------------------------------------------
 
 
-def _header_map(headers: dict[str, str]) -> base_pb2.HeaderMap:
-    return base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
-    )
-
-
-def _messages(tokens: int) -> list[pb.ProcessingRequest]:
-    request = {":path": "/v1/chat/completions", ":method": "POST", ":authority": "gw"}
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    usage = {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": tokens}}
-    return [
-        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=_header_map(request))),
-        pb.ProcessingRequest(request_body=pb.HttpBody(body=orjson.dumps(body), end_of_stream=True)),
-        pb.ProcessingRequest(
-            response_headers=pb.HttpHeaders(
-                headers=_header_map({":status": "200", "content-type": "application/json"})
-            )
-        ),
-        pb.ProcessingRequest(
-            response_body=pb.HttpBody(body=orjson.dumps(usage), end_of_stream=True)
-        ),
-    ]
-
-
 async def _one_request(stub: pb_grpc.ExternalProcessorStub, tokens: int) -> bool:
     """One request through every ext_proc phase; True when it was routed and completed."""
     call = stub.Process()
     routed = False
     async with asyncio.timeout(WAIT_S):
-        for message in _messages(tokens):
+        for message in extproc_exchange("m", tokens):
             await call.write(message)
             reply = await call.read()
             if not isinstance(reply, pb.ProcessingResponse):
@@ -375,37 +338,11 @@ async def _one_request(stub: pb_grpc.ExternalProcessorStub, tokens: int) -> bool
     return routed and await call.code() == grpc.StatusCode.OK
 
 
-@pytest.fixture
-def pods_file(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "pods.yaml"
-    doc = {
-        "models": {
-            "m": {
-                "pods": [
-                    {"name": p.name, "namespace": "ns", "address": p.address, "port": p.port}
-                    for p in (X, Y)
-                ]
-            }
-        }
-    }
-    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
-    yield path
-
-
-async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float | None:
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    return None
-
-
 async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
-    pods_file: Path,
+    tmp_path: Path,
     redis_server: RedisServer,
     members: Callable[..., Member],
+    start_gateway: StartGateway,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     env = {
@@ -416,8 +353,6 @@ async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
         "HETERO_GATEWAY_REDIS_TTL_MS": str(int(TTL_S * 1000)),
         "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "30000",  # the pods do not exist: no scraping
     }
-    settings = dataclasses.replace(load_settings(env), grpc_port=0, http_port=0)
-    gateway = Gateway(settings, StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
     other = members("gw-other")  # a second gateway holding load on x
     hold(other.pool, X, 2)
     other.start()
@@ -434,7 +369,7 @@ async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
                 outcomes.append(False)
 
     caplog.set_level(logging.INFO, logger="plugin.adapters.redis_state")
-    await gateway.start()
+    gateway = await start_gateway(write_pods_file(tmp_path / "pods.yaml", [X, Y]), env)
     url = f"http://127.0.0.1:{gateway.http_port}"
     try:
         async with (
@@ -447,16 +382,15 @@ async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
             await eventually(
                 lambda: shared.up and gateway.pool.remote_inflight(X.key) == 2, "shared view"
             )
-            assert await _metric(http, url, "hetero_gateway_shared_state_up") == 1.0
+            assert await metric_value(http, url, "hetero_gateway_shared_state_up") == 1.0
             workers = [asyncio.ensure_future(traffic(stub)) for _ in range(4)]
             try:
                 await asyncio.sleep(0.5)
                 before = len(outcomes)
                 await redis_server.kill()
                 await eventually(lambda: not shared.up, "local-only mode")
-                assert await _metric(http, url, "hetero_gateway_shared_state_up") == 0.0
-                async with http.get(f"{url}/debug/pods") as resp:
-                    debug = orjson.loads(await resp.read())
+                assert await metric_value(http, url, "hetero_gateway_shared_state_up") == 0.0
+                debug = await debug_pods(http, url)
                 assert debug["shared_state"]["mode"] == "local-only"
                 assert debug["shared_state"]["gateway"] == "gw-under-test"
                 # Traffic on local state only: 20 more requests complete while Redis is gone.
@@ -472,8 +406,8 @@ async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
             finally:
                 stop.set()
                 await asyncio.gather(*workers)
-            assert await _metric(http, url, "hetero_gateway_shared_state_up") == 1.0
-            errors = await _metric(http, url, "hetero_gateway_shared_state_sync_errors_total")
+            assert await metric_value(http, url, "hetero_gateway_shared_state_up") == 1.0
+            errors = await metric_value(http, url, "hetero_gateway_shared_state_sync_errors_total")
             assert errors is not None and errors >= 1
     finally:
         await gateway.stop()

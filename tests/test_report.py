@@ -17,6 +17,8 @@ from plugin_tools.demo.report import (
 )
 from plugin_tools.stats import percentile
 
+pytestmark = pytest.mark.unit
+
 SATURATED = {"a100": 300.0, "l20": 150.0, "v100": 50.0}
 
 

@@ -14,6 +14,8 @@ from plugin.core.request import CharRatioTokenizer, models_list, parse_request, 
 from plugin.core.types import SloTarget
 from plugin.errors import BadRequestBody, BadRequestHeader, NoModel, RequestError, error_reply
 
+pytestmark = pytest.mark.unit
+
 
 def parse(doc: dict[str, Any], **kw: Any) -> Any:
     return parse_request(orjson.dumps({"model": "m", **doc}), "r1", **kw)

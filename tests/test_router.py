@@ -32,6 +32,8 @@ from plugin.errors import NoReadyPod, RoutingFailed, UnknownModel
 
 MODEL = "m"
 
+pytestmark = pytest.mark.unit
+
 
 def pod(name: str, model: str = MODEL, ready: bool = True) -> Pod:
     return Pod(name, "ns", model, "10.0.0.1", 8000 + len(name), 8000, ready=ready)

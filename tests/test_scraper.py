@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,8 +21,11 @@ from hypothesis import strategies as st
 from plugin.adapters.scraper import MetricsScraper, parse_engine_metrics
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
-from plugin.core.strategies import build_strategies
+from plugin.core.strategies import Route, build_strategies
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
+from tests.helpers import ServeApp
+
+pytestmark = pytest.mark.component
 
 MODEL = "m"
 MAX_AGE_S = 3.0
@@ -228,9 +231,9 @@ class Engine:
 ServeFn = Callable[[Engine], Awaitable[Engine]]
 
 
-@pytest_asyncio.fixture
-async def serve() -> AsyncIterator[ServeFn]:
-    runners: list[web.AppRunner] = []
+@pytest.fixture
+def serve(serve_app: ServeApp) -> ServeFn:
+    """Serves an `Engine`'s /metrics on loopback and sets its port."""
 
     async def start(engine: Engine) -> Engine:
         async def metrics(_: web.Request) -> web.Response:
@@ -241,39 +244,16 @@ async def serve() -> AsyncIterator[ServeFn]:
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        engine.port = int(runner.addresses[0][1])
+        engine.port = await serve_app(app)
         return engine
 
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-def closed_port() -> Iterator[int]:
-    """A port bound but not listening: connecting to it is refused, and nobody else can take it."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        sock.close()
+    return start
 
 
 def _pod(name: str, port: int, address: str = "127.0.0.1") -> Pod:
     return Pod(
         name=name, namespace="ns", model=MODEL, address=address, port=port, metrics_port=port
     )
-
-
-@pytest_asyncio.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @dataclass
@@ -289,10 +269,10 @@ class Fleet:
 
 
 @pytest_asyncio.fixture
-async def fleet(serve: ServeFn, closed_port: int) -> Fleet:
+async def fleet(serve: ServeFn, reserved_port: int) -> Fleet:
     engine_a = await serve(Engine(port=0))
     engine_b = await serve(Engine(port=0, status=500))
-    a, b, c = _pod("a", engine_a.port), _pod("b", engine_b.port), _pod("c", closed_port)
+    a, b, c = _pod("a", engine_a.port), _pod("b", engine_b.port), _pod("c", reserved_port)
     pool = PodPool(CapacityEstimator(window_s=60.0, tau_s=10.0), metrics_max_age_s=MAX_AGE_S)
     pool.set_pods([a, b, c])
     clock = FakeClock()
@@ -305,9 +285,9 @@ def _by_key(pool: PodPool, now: float) -> dict[str, tuple[float | None, float | 
 
 
 async def test_tick_records_good_pod_and_counts_failing_ones(
-    fleet: Fleet, session: aiohttp.ClientSession
+    fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
 
     assert fleet.engine_a.hits == 1 and fleet.engine_b.hits == 1
     assert fleet.scraper.errors_total == {fleet.b.key: 1, fleet.c.key: 1}
@@ -323,16 +303,20 @@ async def test_tick_records_good_pod_and_counts_failing_ones(
 
     # The request path still decides with the failing pods' fields missing.
     strategy = build_strategies()["load-balance"]
-    picked = strategy.pick(fleet.pool.candidates(MODEL, now), RequestInfo(MODEL), random.Random(0))
+    answer = strategy.admit(
+        fleet.pool.candidates(MODEL, now), RequestInfo(MODEL), random.Random(0), now
+    )
+    assert isinstance(answer, Route)
+    picked = answer.candidate
     # All idle (score 0); the tie goes to the most free KV, and a missing metric counts as free.
     assert picked.pod in (fleet.b, fleet.c)
 
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
     assert fleet.scraper.errors_total == {fleet.b.key: 2, fleet.c.key: 2}
 
 
 async def test_garbage_body_counts_as_failed_scrape(
-    serve: ServeFn, session: aiohttp.ClientSession
+    serve: ServeFn, http: aiohttp.ClientSession
 ) -> None:
     engine = await serve(Engine(port=0, body="<html><body>Not Found</body></html>\n"))
     pod = _pod("g", engine.port)
@@ -340,7 +324,7 @@ async def test_garbage_body_counts_as_failed_scrape(
     pool.set_pods([pod])
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
 
-    await scraper.tick(session)
+    await scraper.tick(http)
 
     assert engine.hits == 1
     assert scraper.errors_total == {pod.key: 1}
@@ -353,10 +337,10 @@ async def test_garbage_body_counts_as_failed_scrape(
     ids=["fresh", "exactly-max-age", "just-stale", "long-stale"],
 )
 async def test_stale_metrics_are_hidden_from_strategies(
-    fleet: Fleet, session: aiohttp.ClientSession, age_s: float, visible: bool
+    fleet: Fleet, http: aiohttp.ClientSession, age_s: float, visible: bool
 ) -> None:
     scraped_at = fleet.clock.now
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
     fleet.clock.now = scraped_at + age_s
 
     expected = (2.0, 0.4375) if visible else (None, None)
@@ -364,13 +348,13 @@ async def test_stale_metrics_are_hidden_from_strategies(
 
 
 async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
-    fleet: Fleet, session: aiohttp.ClientSession
+    fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
     first = fleet.clock.now
     fleet.engine_a.status = 503
     fleet.clock.now = first + 2.0
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
 
     assert fleet.scraper.errors_total[fleet.a.key] == 1
     # Still within max age of the last good scrape: visible.
@@ -382,14 +366,14 @@ async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
     fleet.engine_a.status = 200
     fleet.engine_a.body = "vllm:num_requests_waiting 5\nvllm:kv_cache_usage_perc 0.9\n"
     fleet.clock.now = first + 10.0
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
     assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == (5.0, 0.9)
     assert fleet.scraper.errors_total[fleet.a.key] == 1
 
 
-async def test_tick_refreshes_capacity(fleet: Fleet, session: aiohttp.ClientSession) -> None:
+async def test_tick_refreshes_capacity(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     pool, key = fleet.pool, fleet.a.key
-    await fleet.scraper.tick(session)  # first refresh: the window's base
+    await fleet.scraper.tick(http)  # first refresh: the window's base
     assert pool.capacity(key) is None
 
     lease = pool.acquire(fleet.a)
@@ -401,7 +385,7 @@ async def test_tick_refreshes_capacity(fleet: Fleet, session: aiohttp.ClientSess
     assert pool.capacity(key) is None  # counted, but not a rate until the next refresh
 
     fleet.clock.now += 10.0
-    await fleet.scraper.tick(session)
+    await fleet.scraper.tick(http)
     assert pool.capacity(key) == pytest.approx(50.0)
     assert pool.capacity(fleet.b.key) is None  # no tokens, no estimate
     assert next(
@@ -410,22 +394,24 @@ async def test_tick_refreshes_capacity(fleet: Fleet, session: aiohttp.ClientSess
 
 
 async def test_tick_with_no_pods_still_refreshes_capacity(
-    session: aiohttp.ClientSession,
+    http: aiohttp.ClientSession,
 ) -> None:
     estimator = CapacityEstimator(window_s=60.0, tau_s=10.0)
     pool = PodPool(estimator)
     clock = FakeClock(0.0)
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=1.0, clock=clock)
     estimator.add_tokens("gone/pod", 0)
-    await scraper.tick(session)
+    await scraper.tick(http)
     estimator.add_tokens("gone/pod", 100)
     clock.now = 4.0
-    await scraper.tick(session)
+    await scraper.tick(http)
     assert estimator.estimate("gone/pod") == pytest.approx(25.0)
     assert scraper.errors_total == {}
 
 
-async def test_ipv6_pod_address_is_bracketed(session: aiohttp.ClientSession) -> None:
+async def test_ipv6_pod_address_is_bracketed(
+    http: aiohttp.ClientSession, serve_app: ServeApp
+) -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     app = web.Application()
@@ -434,26 +420,20 @@ async def test_ipv6_pod_address_is_bracketed(session: aiohttp.ClientSession) -> 
         return web.Response(text="vllm:num_requests_waiting 4\n")
 
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
     try:
-        try:
-            await web.TCPSite(runner, "::1", 0).start()
-        except OSError:
-            pytest.skip("cannot bind ::1")
-        port = int(runner.addresses[0][1])
-        pod = _pod("v6", port, address="::1")
-        pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
-        pool.set_pods([pod])
-        scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
-        await scraper.tick(session)
-        assert scraper.errors_total == {}
-        assert _by_key(pool, 100.0)[pod.key] == (4.0, None)
-    finally:
-        await runner.cleanup()
+        port = await serve_app(app, "::1")
+    except OSError:
+        pytest.skip("cannot bind ::1")
+    pod = _pod("v6", port, address="::1")
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([pod])
+    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
+    await scraper.tick(http)
+    assert scraper.errors_total == {}
+    assert _by_key(pool, 100.0)[pod.key] == (4.0, None)
 
 
-async def test_a_large_page_is_read_whole(serve: ServeFn, session: aiohttp.ClientSession) -> None:
+async def test_a_large_page_is_read_whole(serve: ServeFn, http: aiohttp.ClientSession) -> None:
     """A real vLLM page is big and arrives in many socket reads; the wanted lines may be last."""
     filler = "".join(f'vllm:some_histogram_bucket{{le="{i}"}} {i}\n' for i in range(60000))
     body = (
@@ -469,7 +449,7 @@ async def test_a_large_page_is_read_whole(serve: ServeFn, session: aiohttp.Clien
     pool.set_pods([pod])
     clock = FakeClock()
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=5.0, clock=clock)
-    await scraper.tick(session)
+    await scraper.tick(http)
     assert scraper.errors_total == {}
     candidate = pool.candidates(pod.model, clock())[0]
     assert (candidate.running, candidate.waiting, candidate.kv_usage) == (0, 2.0, 0.5)

@@ -8,7 +8,6 @@ discovery, records what it saw and stops it.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +16,13 @@ from typing import Any
 import pytest
 import yaml
 
-from plugin.adapters import serve
 from plugin.adapters.serve import Gateway
 from plugin.cli import main
-from plugin.config import ENV_VARS
+from plugin.config import ENV_VARS, Var, flag_vars
 from plugin.errors import ConfigError
+from tests.helpers import ObserveServe
+
+pytestmark = pytest.mark.component
 
 PREFIX = "hetero-gateway: configuration error: "
 
@@ -49,31 +50,14 @@ class Started:
 
 
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> list[Started]:
-    """Replace the wait-for-signal loop: start the real gateway, observe it, stop it."""
-    runs: list[Started] = []
+def started(observe_serve: ObserveServe) -> list[Started]:
+    """`serve` starts its real gateway, which is observed once its pods are loaded, then stopped."""
 
-    async def start_observe_stop(gateway: Gateway) -> None:
-        await gateway.start()
-        try:
-            for _ in range(500):  # discovery delivers in a task right after start
-                if gateway.pool.loaded:
-                    break
-                await asyncio.sleep(0.01)
-            runs.append(
-                Started(
-                    gateway.settings,
-                    gateway.host,
-                    gateway.grpc_port,
-                    gateway.http_port,
-                    sorted(p.key for p in gateway.pool.pods()),
-                )
-            )
-        finally:
-            await gateway.stop()
+    async def observe(gateway: Gateway) -> Started:
+        keys = sorted(p.key for p in gateway.pool.pods())
+        return Started(gateway.settings, gateway.host, gateway.grpc_port, gateway.http_port, keys)
 
-    monkeypatch.setattr(serve, "run_until_signal", start_observe_stop)
-    return runs
+    return observe_serve(observe)
 
 
 @pytest.fixture
@@ -322,3 +306,84 @@ def test_envoy_config_reads_max_message_size_from_env(
     boot = yaml.safe_load(capsys.readouterr().out)
     listener = boot["static_resources"]["listeners"][0]
     assert listener["per_connection_buffer_limit_bytes"] == 8 * 1024 * 1024
+
+
+# --- flags declared with their variables --------------------------------------------------------
+
+
+def _squeezed(text: str) -> str:
+    """Without any whitespace: argparse wraps help lines (at spaces and after hyphens)."""
+    return "".join(text.split())
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+FLAG_VARS = [v for v in ENV_VARS if v.flag is not None]
+
+
+def test_the_flags_are_the_declared_ones() -> None:
+    flags = {str(v.flag): v.name for v in FLAG_VARS}
+    assert flags == {
+        "serve --pods": "HETERO_GATEWAY_PODS_FILE",
+        "serve --discovery": "HETERO_GATEWAY_DISCOVERY",
+        "serve --grpc-port": "HETERO_GATEWAY_GRPC_PORT",
+        "serve --http-port": "HETERO_GATEWAY_HTTP_PORT",
+        "envoy-config --max-request-bytes": "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
+    }
+    assert [v.name for v in flag_vars("serve")] == [
+        v.name for v in FLAG_VARS if v.flag is not None and v.flag.command == "serve"
+    ]
+
+
+@pytest.mark.parametrize("var", FLAG_VARS, ids=lambda v: str(v.flag))
+def test_a_flags_help_shows_its_declared_doc_and_default(
+    var: Var[Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert var.flag is not None
+    out = _squeezed(_help(var.flag.command, capsys))
+    help_text = var.flag_help()
+    assert _squeezed(help_text) in out
+    # The help is the declaration's: its doc (Markdown quotes dropped), variable and default.
+    assert _squeezed(var.doc.replace("`", "").rstrip(".")) in _squeezed(help_text)
+    assert f"${var.name}" in help_text
+    default = var.default_text.strip("()")
+    assert help_text.endswith(f", else {default})")
+    assert _squeezed(f"{var.flag.option} ") in out
+
+
+def test_serve_help_defaults_come_from_the_declarations(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _squeezed(_help("serve", capsys))
+    for fragment in (
+        "$HETERO_GATEWAY_GRPC_PORT,else50052)",
+        "$HETERO_GATEWAY_HTTP_PORT,else8080)",
+        "$HETERO_GATEWAY_DISCOVERY,elsefile)",
+        "$HETERO_GATEWAY_PODS_FILE,elsenone)",
+        "{file,kubernetes}",  # --discovery's choices are the variable's
+    ):
+        assert fragment in out
+    envoy = _squeezed(_help("envoy-config", capsys))
+    assert "$AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES,else4194304)" in envoy
+    assert "--max-request-bytesBYTES" in envoy
+
+
+def test_discovery_flag_beats_its_variable(
+    good_pods: Path, monkeypatch: pytest.MonkeyPatch, started: list[Started]
+) -> None:
+    monkeypatch.setenv("HETERO_GATEWAY_DISCOVERY", "consul")  # bad, but --discovery wins
+    assert main([*_serve_args(good_pods), "--discovery", "file"]) == 0
+    assert started[0].settings.discovery == "file"
+
+
+def test_a_discovery_flag_outside_the_choices_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], started: list[Started]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--discovery", "consul"])
+    assert info.value.code == 2
+    assert "--discovery" in capsys.readouterr().err
+    assert started == []

@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,15 @@ import orjson
 import pytest
 import yaml
 
-from plugin.adapters import serve
 from plugin.adapters.discovery import PodsCallback, StaticFileSource
 from plugin.adapters.serve import Gateway, MergedSource, build_source
 from plugin.cli import main
 from plugin.config import ENV_VARS, load_settings
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
+from tests.helpers import WAIT_S, ObserveServe, debug_pods
 
-WAIT_S = 5.0
+pytestmark = pytest.mark.component
 
 
 def pod(name: str, namespace: str = "default", address: str = "10.0.0.1") -> Pod:
@@ -224,43 +224,20 @@ def kubeconfig(
     return path
 
 
-def _serve_in_thread_observing(
-    monkeypatch: pytest.MonkeyPatch, observe: Callable[[Gateway], Any]
-) -> list[Any]:
-    """Replace the wait-for-signal loop by: start, wait for discovery, observe, stop."""
-    seen: list[Any] = []
-
-    async def start_observe_stop(gateway: Gateway) -> None:
-        await gateway.start()
-        try:
-            async with asyncio.timeout(WAIT_S):
-                while not gateway.pool.loaded:  # noqa: ASYNC110
-                    await asyncio.sleep(0.01)
-            seen.append(await observe(gateway))
-        finally:
-            await gateway.stop()
-
-    monkeypatch.setattr(serve, "run_until_signal", start_observe_stop)
-    return seen
-
-
 async def _debug_pods(gateway: Gateway) -> dict[str, Any]:
-    async with (
-        aiohttp.ClientSession() as http,
-        http.get(f"http://127.0.0.1:{gateway.http_port}/debug/pods") as resp,
-    ):
-        doc: dict[str, Any] = orjson.loads(await resp.read())
-    return doc
+    async with aiohttp.ClientSession() as http:
+        return await debug_pods(http, f"http://127.0.0.1:{gateway.http_port}")
 
 
 def test_serve_discovery_kubernetes_watches_the_configured_namespaces(
     kubeconfig: Path,
     api_server: tuple[str, list[str]],
     monkeypatch: pytest.MonkeyPatch,
+    observe_serve: ObserveServe,
 ) -> None:
     _, requests = api_server
     monkeypatch.setenv("HETERO_GATEWAY_K8S_NAMESPACE", "team-a,team-b")
-    seen = _serve_in_thread_observing(monkeypatch, _debug_pods)
+    seen = observe_serve(_debug_pods)
     argv = ["serve", "--discovery", "kubernetes", "--host", "127.0.0.1"]
     assert main([*argv, "--grpc-port", "0", "--http-port", "0"]) == 0
     [doc] = seen
@@ -274,12 +251,15 @@ def test_serve_discovery_kubernetes_watches_the_configured_namespaces(
 
 
 def test_gpu_label_is_configurable(
-    kubeconfig: Path, api_server: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+    kubeconfig: Path,
+    api_server: tuple[str, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+    observe_serve: ObserveServe,
 ) -> None:
     monkeypatch.setenv("HETERO_GATEWAY_DISCOVERY", "kubernetes")
     monkeypatch.setenv("HETERO_GATEWAY_K8S_NAMESPACE", "team-a")
     monkeypatch.setenv("HETERO_GATEWAY_GPU_LABEL", "model.aibrix.ai/name")
-    seen = _serve_in_thread_observing(monkeypatch, _debug_pods)
+    seen = observe_serve(_debug_pods)
     assert main(["serve", "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0"]) == 0
     [doc] = seen
     assert {k: v["gpu"] for k, v in doc["pods"].items()} == {"team-a/a100-0": "m"}

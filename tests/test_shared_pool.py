@@ -4,12 +4,15 @@ token twice."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.types import Pod
+
+pytestmark = pytest.mark.unit
 
 
 def pod(name: str) -> Pod:

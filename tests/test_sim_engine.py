@@ -6,6 +6,8 @@ import pytest
 
 from plugin_tools.sim.engine import PRESETS, GpuProfile, SimEngine, SimSeq, parse_fleet
 
+pytestmark = pytest.mark.unit
+
 
 def drive(engine: SimEngine, seqs: list[SimSeq], limit_s: float = 10_000.0) -> float:
     """Submit everything at t=0 and run steps until idle; returns the end time."""

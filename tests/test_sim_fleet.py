@@ -25,6 +25,8 @@ from plugin_tools.sim.workload import (
     generate,
 )
 
+pytestmark = pytest.mark.unit
+
 FIXED = SyntheticLengths(LogNormalLengths(50, 0, 50, 50), LogNormalLengths(100, 0, 100, 100))
 TINY = dict(measured_requests=300, warmup_s=20.0)
 

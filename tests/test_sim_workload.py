@@ -1,4 +1,7 @@
-"""Workloads: length distributions, arrival processes, the Azure traces and the CLI's parsing."""
+"""Workloads: length distributions, arrival processes, the Azure traces and the CLI's parsing.
+
+The Azure traces come from the shared data (the `trace_dir` fixture, tests/conftest.py).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from plugin.errors import ConfigError
 from plugin_tools.sim.traces import load_trace, parse_workload
 from plugin_tools.sim.workload import CHAT, Arrivals, MixedLengths, TraceLengths, generate
 
-TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "traces"
+pytestmark = pytest.mark.unit
 
 
 def test_chat_lengths_have_the_specified_medians_and_clips() -> None:
@@ -45,16 +48,16 @@ def test_trace_arrivals_keep_the_trace_gaps_rescaled() -> None:
 @pytest.mark.parametrize(
     ("name", "rows"), [("azure-conv", 19_000), ("azure-code", 8_000)], ids=["conv", "code"]
 )
-def test_azure_traces_load_from_shared_data(name: str, rows: int) -> None:
-    lengths, traces = parse_workload(name, TRACES)
+def test_azure_traces_load_from_shared_data(name: str, rows: int, trace_dir: Path) -> None:
+    lengths, traces = parse_workload(name, trace_dir)
     assert isinstance(lengths, TraceLengths) and len(lengths.rows) > rows
     trace = traces[name]
     assert len(trace.times) == len(lengths.rows)
     assert all(p >= 1 and o >= 1 for p, o in lengths.rows)
 
 
-def test_a_mix_draws_from_each_part_by_weight() -> None:
-    lengths, _ = parse_workload("chat:3,azure-code:1", TRACES)
+def test_a_mix_draws_from_each_part_by_weight(trace_dir: Path) -> None:
+    lengths, _ = parse_workload("chat:3,azure-code:1", trace_dir)
     assert isinstance(lengths, MixedLengths)
     rng = random.Random(5)
     code_like = sum(1 for _ in range(4000) if lengths.sample(rng)[0] > 1000)
@@ -65,9 +68,9 @@ def test_a_mix_draws_from_each_part_by_weight() -> None:
 @pytest.mark.parametrize(
     "spec", ["sharegpt", "chat:-1", "chat:x"], ids=["unknown", "negative", "not-a-number"]
 )
-def test_bad_workloads_are_config_errors(spec: str) -> None:
+def test_bad_workloads_are_config_errors(spec: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
-        parse_workload(spec, TRACES)
+        parse_workload(spec, tmp_path)  # no trace is read: the spec is wrong first
 
 
 def test_a_missing_or_malformed_trace_is_a_config_error(tmp_path: Path) -> None:

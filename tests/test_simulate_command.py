@@ -10,6 +10,8 @@ import pytest
 
 from plugin.cli import main
 
+pytestmark = pytest.mark.unit
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

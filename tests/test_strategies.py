@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -12,12 +13,15 @@ from hypothesis import strategies as st
 
 from plugin.core.strategies import (
     LoadBalanceSettings,
+    Picker,
     build_strategies,
     load_balance_scores,
     strategy_names,
 )
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import RoutingFailed
+
+pytestmark = pytest.mark.unit
 
 REQ = RequestInfo(model="m")
 
@@ -36,8 +40,15 @@ def cand(
     return Candidate(pod, running, waiting, kv_usage, capacity, saturation)
 
 
-def lb(**kw: float) -> object:
-    return build_strategies(LoadBalanceSettings(**kw))["load-balance"]
+def pickers(*settings: object) -> dict[str, Picker]:
+    """Today's strategies, all of which route at once: their `pick` is what is tested here."""
+    built = build_strategies(*settings)
+    assert all(isinstance(s, Picker) for s in built.values())
+    return {name: s for name, s in built.items() if isinstance(s, Picker)}
+
+
+def lb(**kw: Any) -> Picker:
+    return pickers(LoadBalanceSettings(**kw))["load-balance"]
 
 
 def test_registry_has_the_strategies() -> None:
@@ -58,7 +69,7 @@ def test_worked_example() -> None:
     ]
     scores = load_balance_scores(cands, LoadBalanceSettings(kv_pressure_alpha=2.0))
     assert [round(s, 4) for s in scores] == [0.0099, 0.0110, 0.0075]
-    picked = build_strategies()["load-balance"].pick(cands, REQ, random.Random(1))
+    picked = pickers()["load-balance"].pick(cands, REQ, random.Random(1))
     assert picked.pod.name == "b100"
 
 
@@ -133,28 +144,25 @@ def test_load_balance_scores(
 def test_all_below_critical_routes_to_most_headroom() -> None:
     cands = [cand("a", 1, kv_usage=0.97), cand("b", 9, kv_usage=0.92), cand("c", 0, kv_usage=0.99)]
     for seed in range(20):
-        assert lb().pick(cands, REQ, random.Random(seed)).pod.name == "b"  # type: ignore[attr-defined]
+        assert lb().pick(cands, REQ, random.Random(seed)).pod.name == "b"
 
 
 def test_ties_prefer_least_kv_then_random() -> None:
     cands = [cand("a", 0, kv_usage=0.5), cand("b", 0, kv_usage=0.2), cand("c", 0, kv_usage=0.2)]
-    picks = Counter(
-        lb().pick(cands, REQ, random.Random(seed)).pod.name  # type: ignore[attr-defined]
-        for seed in range(200)
-    )
+    picks = Counter(lb().pick(cands, REQ, random.Random(seed)).pod.name for seed in range(200))
     assert set(picks) == {"b", "c"}
     assert min(picks.values()) > 50
 
 
 def test_least_request_picks_fewest_in_flight_and_breaks_ties_randomly() -> None:
-    strategy = build_strategies()["least-request"]
+    strategy = pickers()["least-request"]
     cands = [cand("a", 3), cand("b", 1), cand("c", 1)]
     picks = Counter(strategy.pick(cands, REQ, random.Random(s)).pod.name for s in range(200))
     assert set(picks) == {"b", "c"}
 
 
 def test_random_covers_every_candidate() -> None:
-    strategy = build_strategies()["random"]
+    strategy = pickers()["random"]
     cands = [cand("a"), cand("b"), cand("c")]
     rng = random.Random(3)
     picks = Counter(strategy.pick(cands, REQ, rng).pod.name for _ in range(300))
@@ -164,7 +172,7 @@ def test_random_covers_every_candidate() -> None:
 @pytest.mark.parametrize("name", sorted(strategy_names()))
 def test_no_candidates_is_routing_failure(name: str) -> None:
     with pytest.raises(RoutingFailed):
-        build_strategies()[name].pick([], REQ, random.Random(0))
+        pickers()[name].pick([], REQ, random.Random(0))
 
 
 cand_st = st.builds(
@@ -184,19 +192,19 @@ def test_scores_are_finite_or_inf_and_pick_is_a_candidate(
     params = LoadBalanceSettings(queued_weight=0.3)
     for score in load_balance_scores(cands, params):
         assert score >= 0 and not math.isnan(score)
-    for strategy in build_strategies(params).values():
+    for strategy in pickers(params).values():
         assert any(strategy.pick(cands, REQ, random.Random(seed)) is c for c in cands)
 
 
 def test_round_robin_takes_candidates_in_turn() -> None:
-    strategy = build_strategies()["round-robin"]
+    strategy = pickers()["round-robin"]
     cands = [cand("a", running=9), cand("b"), cand("c")]
     picks = [strategy.pick(cands, REQ, random.Random(0)).pod.name for _ in range(6)]
     assert picks == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_power_of_two_takes_the_less_loaded_of_two() -> None:
-    strategy = build_strategies()["power-of-two"]
+    strategy = pickers()["power-of-two"]
     cands = [cand("busy", running=50), cand("idle", running=0), cand("mid", running=10)]
     rng = random.Random(1)
     picks = Counter(strategy.pick(cands, REQ, rng).pod.name for _ in range(600))
@@ -223,11 +231,11 @@ def test_load_balance_passes_over_full_batches(
         cand("a100", running=running[0], capacity=4000, saturation=saturations[0]),
         cand("l20", running=running[1], capacity=1000, saturation=saturations[1]),
     ]
-    assert lb().pick(cands, REQ, random.Random(0)).pod.name == expected  # type: ignore[attr-defined]
+    assert lb().pick(cands, REQ, random.Random(0)).pod.name == expected
 
 
 def test_reference_load_balance_ignores_batch_caps() -> None:
-    reference = build_strategies(LoadBalanceSettings(avoid_full_batches=False))["load-balance"]
+    reference = pickers(LoadBalanceSettings(avoid_full_batches=False))["load-balance"]
     cands = [
         cand("a100", running=32, capacity=4000, saturation=32),
         cand("l20", running=40, capacity=1000),
@@ -242,11 +250,11 @@ def test_full_batch_rule_does_not_override_the_kv_guardrail() -> None:
         cand("full", running=32, capacity=4000, kv_usage=0.30, saturation=32),
         cand("kv-starved", running=3, capacity=1000, kv_usage=0.97),
     ]
-    assert lb().pick(cands, REQ, random.Random(0)).pod.name == "full"  # type: ignore[attr-defined]
+    assert lb().pick(cands, REQ, random.Random(0)).pod.name == "full"
 
 
 def test_round_robin_keeps_a_turn_per_model() -> None:
-    strategy = build_strategies()["round-robin"]
+    strategy = pickers()["round-robin"]
     a = [cand("a0"), cand("a1")]
     b = [cand("b0"), cand("b1")]
     picks = []

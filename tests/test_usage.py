@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from plugin.core import usage as usage_mod
 from plugin.core.usage import Usage, UsageScanner, sse_from_content_type
 
+pytestmark = pytest.mark.unit
+
 # --------------------------------------------------------------------------------------------
 # Fixtures: realistic bodies
 

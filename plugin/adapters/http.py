@@ -7,7 +7,7 @@ nothing for them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import orjson
@@ -45,8 +45,10 @@ class GatewayCollector(Collector):
         scraper: MetricsScraper,
         shared: SharedStateView | None = None,
         gpu_label: str = DEFAULT_GPU_LABEL,
+        waiting: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         self._pool = pool
+        self._waiting = waiting
         self._errors = errors
         self._scraper = scraper
         self._shared = shared
@@ -103,7 +105,15 @@ class GatewayCollector(Collector):
         )
         for (status, reason), count in sorted(self._errors.counts.items()):
             errors.add_metric([str(status), reason], count)
-        yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info)
+        held = GaugeMetricFamily(
+            "hetero_gateway_waiting_requests",
+            "Requests a strategy holds at the gateway until a replica can take them, per model.",
+            labels=["model"],
+        )
+        counts = self._waiting()
+        for model in sorted(set(self._pool.models()) | set(counts)):
+            held.add_metric([model], counts.get(model, 0))
+        yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info, held)
         if self._shared is not None:
             yield GaugeMetricFamily(
                 "hetero_gateway_shared_state_up",
@@ -128,11 +138,13 @@ def debug_pods(
     now: float,
     shared: SharedStateView | None = None,
     gpu_label: str = DEFAULT_GPU_LABEL,
+    waiting: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The pool's snapshot, each pod's GPU type, and the shared-state status."""
+    """The pool's snapshot, each pod's GPU type, held requests, and the shared-state status."""
     doc = pool.snapshot(now)
     for entry in doc["pods"].values():
         entry["gpu"] = entry["labels"].get(gpu_label)
+    doc["waiting"] = dict(waiting or {})
     doc["shared_state"] = {"mode": "off"} if shared is None else shared.status()
     return doc
 
@@ -146,9 +158,10 @@ def build_app(
     shared: SharedStateView | None = None,
     gpu_label: str = DEFAULT_GPU_LABEL,
     draining: Callable[[], bool] = lambda: False,
+    waiting: Callable[[], Mapping[str, int]] = dict,
 ) -> web.Application:
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label))
+    registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(
@@ -167,7 +180,7 @@ def build_app(
 
     async def pods(_: web.Request) -> web.Response:
         return web.Response(
-            body=orjson.dumps(debug_pods(pool, clock(), shared, gpu_label)),
+            body=orjson.dumps(debug_pods(pool, clock(), shared, gpu_label, waiting())),
             content_type="application/json",
         )
 

@@ -2,7 +2,7 @@
 
 A failing engine endpoint is logged (once per failure streak) and simply leaves that pod's
 metrics to go stale; nothing on the request path waits for a scrape. Capacity estimates refresh
-on the same tick (DESIGN.md section 5).
+on the same tick (`docs/architecture.md`, step 7 of a request's path).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class Gateway:
         )
         self.router = Router(
             self.pool,
-            build_strategies(settings.strategy) if strategies is None else strategies,
+            build_strategies(*settings.strategy_settings()) if strategies is None else strategies,
             settings.default_strategy,
             random.Random(),
             time.monotonic,
@@ -183,6 +183,7 @@ class Gateway:
             shared=self.shared,
             gpu_label=self.settings.gpu_label,
             draining=lambda: self.draining,
+            waiting=self.router.waiting_by_model,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

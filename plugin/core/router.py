@@ -168,6 +168,9 @@ class Router:
             return len(self._waiting.get(model, ()))
         return sum(len(q) for q in self._waiting.values())
 
+    def waiting_by_model(self) -> dict[str, int]:
+        return {m: len(q) for m, q in self._waiting.items()}
+
     def wake(self, model: str | None = None) -> None:
         """Ask the waiting requests of `model` (or of every model) again, oldest first."""
         if not self._waiting:

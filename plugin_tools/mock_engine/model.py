@@ -3,10 +3,11 @@
 Pure on purpose (no I/O, no asyncio, no clock): the HTTP server drives it in real time, while tests
 and simulators drive it with simulated time and get the same numbers the server would produce.
 
-The model is the one DESIGN.md section 5 reasons about: every engine step decodes one token for
-each running sequence and costs ``a + b * batch`` milliseconds, plus ``prefill_ms_per_token`` for
-each prompt token admitted in that step. Admission is FCFS, capped by ``max_num_seqs`` and by a
-KV-cache budget reserved up front (prompt + max_tokens), so there is never any preemption.
+The model is the one the load-balance design reasons about (`docs/benchmarks.md`): every engine
+step decodes one token for each running sequence and costs ``a + b * batch`` milliseconds, plus
+``prefill_ms_per_token`` for each prompt token admitted in that step. Admission is FCFS, capped
+by ``max_num_seqs`` and by a KV-cache budget reserved up front (prompt + max_tokens), so there is
+never any preemption.
 """
 
 from __future__ import annotations

