@@ -32,13 +32,14 @@ from plugin.core.request import parse_request
 from plugin.core.router import Decision, Router
 from plugin.core.strategies import Route, build_strategies
 from plugin.core.types import EngineMetrics, Pod
+from plugin_tools.docsection import write_section
 from plugin_tools.stats import percentile
 
 MODEL = "llama-3-8b"
 POOL_SIZES = (16, 256, 1000)
 DECISIONS = {16: 20_000, 256: 5_000, 1000: 2_000}
+DOC = Path(__file__).resolve().parent.parent / "docs" / "plugin-cost.md"
 PHASES = ("parse", "candidates", "pick", "lease", "release", "total")
-BEGIN, END = "<!-- routing-decision:begin -->", "<!-- routing-decision:end -->"
 
 BODY = orjson.dumps(
     {
@@ -142,19 +143,6 @@ def growth(results: dict[int, dict[str, dict[str, tuple[float, float]]]]) -> str
     return f"p50 of the whole decision at {large} pods over {small} pods: " + ", ".join(parts) + "."
 
 
-def write_doc(text: str) -> Path:
-    doc = Path(__file__).resolve().parent.parent / "docs" / "plugin-cost.md"
-    current = doc.read_text(encoding="utf-8") if doc.exists() else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in current and END in current:
-        before, rest = current.split(BEGIN, 1)
-        after = rest.split(END, 1)[1]
-        doc.write_text(before + block + after, encoding="utf-8")
-    else:
-        doc.write_text(current.rstrip("\n") + "\n\n" + block + "\n", encoding="utf-8")
-    return doc
-
-
 def main() -> None:
     results = {n: measure(n) for n in POOL_SIZES}
     summary = growth(results)
@@ -176,7 +164,7 @@ def main() -> None:
     print(table(results))
     print()
     print(summary)
-    print(f"wrote {write_doc(text).name}", file=sys.stderr)
+    print(f"wrote {write_section(DOC, 'routing-decision', text).name}", file=sys.stderr)
 
 
 if __name__ == "__main__":
