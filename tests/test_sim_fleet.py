@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -91,7 +92,8 @@ def test_random_routing_ceiling_is_about_n_times_the_slowest() -> None:
 
 
 class Spy(Picker):
-    """Records exactly what the simulator hands a strategy."""
+    """Records exactly what the simulator hands a strategy, as it is at the pick: candidates
+    are live (the pool updates them in place), so it keeps copies."""
 
     name = "spy"
 
@@ -101,7 +103,7 @@ class Spy(Picker):
     def pick(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
     ) -> Candidate:
-        self.seen.append((candidates, request, rng))
+        self.seen.append(([copy.copy(c) for c in candidates], request, rng))
         return min(candidates, key=lambda c: c.running)
 
 

@@ -18,13 +18,15 @@ Several gateways (shared state): a sync loop outside the core feeds two things i
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.types import Candidate, EngineMetrics, Pod
+from plugin.core.view import CandidateView
 from plugin.errors import NoReadyPod, UnknownModel
 
 __all__ = ["Lease", "PodPool"]
@@ -57,6 +59,20 @@ class Lease:
 class _Scraped:
     metrics: EngineMetrics
     at: float
+    fresh_until: float  # at + the pool's max age: fresh while now <= fresh_until
+
+
+@dataclass(slots=True)
+class _Model:
+    """One model's candidate view and what keeps it current between requests."""
+
+    view: CandidateView
+    pods: list[Pod]
+    any_ready: bool
+    now: float = -math.inf  # the clock time the view was last brought up to
+    dirty: bool = True  # the routable set (readiness, ejections) must be recomputed
+    next_heal: float = math.inf  # the earliest end of an ejection among the model's pods
+    stale: list[tuple[float, int]] = field(default_factory=list)  # heap: (fresh until, order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +109,7 @@ class PodPool:
         "_inflight",
         "_metrics",
         "_metrics_max_age_s",
+        "_models",
         "_peak_running",
         "_pods",
         "_remote",
@@ -101,6 +118,7 @@ class PodPool:
         "_saturation_probe_s",
         "_shared_seen",
         "_shared_tokens",
+        "_slot",
         "_unpublished",
         "loaded",
         "on_change",
@@ -122,6 +140,8 @@ class PodPool:
         self._pods: dict[str, Pod] = {}
         self._by_model: dict[str, list[Pod]] = {}
         self._by_endpoint: dict[str, Pod] = {}
+        self._models: dict[str, _Model] = {}
+        self._slot: dict[str, tuple[_Model, int]] = {}  # pod key -> its model, its position
         self._inflight: dict[str, int] = {}
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
@@ -161,8 +181,29 @@ class PodPool:
         self._pods = new
         self._by_model = by_model
         self._by_endpoint = {p.endpoint: p for p in new.values()}
+        self._models = {}
+        self._slot = {}
+        for model, model_pods in by_model.items():
+            slots = [self._new_candidate(p) for p in model_pods]
+            state = _Model(
+                CandidateView(model, slots), model_pods, any(p.ready for p in model_pods)
+            )
+            self._models[model] = state
+            for order, pod in enumerate(model_pods):
+                self._slot[pod.key] = (state, order)
         self.loaded = True
         self._changed()
+
+    def _new_candidate(self, pod: Pod) -> Candidate:
+        key = pod.key
+        return Candidate(
+            pod,
+            self._inflight.get(key, 0) + self._remote.get(key, 0),
+            None,
+            None,
+            self._capacity.estimate(key),
+            self.saturation(key),
+        )
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -179,40 +220,77 @@ class PodPool:
         return sorted(m for m, pods in self._by_model.items() if any(p.ready for p in pods))
 
     # request path ----------------------------------------------------------------------------
-    def candidates(self, model: str, now: float) -> list[Candidate]:
-        """Routable pods of a model with what a strategy may see of them.
+    def candidates(self, model: str, now: float) -> CandidateView:
+        """Routable pods of a model with what a strategy may see of them, as of `now`.
 
-        Ready pods that are not ejected; if every ready pod is ejected, all of them.
+        Ready pods that are not ejected; if every ready pod is ejected, all of them. Engine
+        metrics count while `now <= scrape time + metrics_max_age_s`. The view is kept current
+        between calls (`plugin.core.view`), so a call costs O(1) plus what expired since the
+        last one; a `now` earlier than the last call's recomputes the view from scratch.
         """
-        pods = self._by_model.get(model)
-        if not pods:
+        state = self._models.get(model)
+        if state is None:
             raise UnknownModel(model)
-        ready = [p for p in pods if p.ready]
-        if not ready:
+        if not state.any_ready:
             raise NoReadyPod(model)
-        healthy = [p for p in ready if not self.ejected(p.key, now)] or ready
-        return [self._candidate(p, now) for p in healthy]
+        if state.dirty or now < state.now or now >= state.next_heal:
+            self._recompute(state, now)
+        else:
+            state.now = now
+            stale = state.stale
+            while stale and stale[0][0] < now:
+                self._expire_metrics(state, heapq.heappop(stale)[1], now)
+        return state.view
 
-    def _candidate(self, pod: Pod, now: float) -> Candidate:
-        key = pod.key
-        scraped = self._metrics.get(key)
-        waiting = kv = None
-        if scraped is not None and now - scraped.at <= self._metrics_max_age_s:
-            waiting = scraped.metrics.waiting
-            kv = scraped.metrics.kv_usage
-        return Candidate(
-            pod,
-            self._inflight.get(key, 0) + self._remote.get(key, 0),
-            waiting,
-            kv,
-            self._capacity.estimate(key),
-            self.saturation(key),
-        )
+    def _recompute(self, state: _Model, now: float) -> None:
+        """Bring a model's view to `now` from scratch: metrics freshness and the routable set."""
+        view = state.view
+        state.stale = []
+        for order, candidate in enumerate(view.slots):
+            scraped = self._metrics.get(candidate.pod.key)
+            if scraped is not None and now <= scraped.fresh_until:
+                candidate.waiting = scraped.metrics.waiting
+                candidate.kv_usage = scraped.metrics.kv_usage
+                state.stale.append((scraped.fresh_until, order))
+            else:
+                candidate.waiting = candidate.kv_usage = None
+        heapq.heapify(state.stale)
+        ready = [o for o, pod in enumerate(state.pods) if pod.ready]
+        healthy = [o for o in ready if not self.ejected(state.pods[o].key, now)]
+        heal = [
+            h.ejected_until
+            for o in ready
+            if (h := self._health.get(state.pods[o].key)) is not None and h.ejected_until > now
+        ]
+        state.next_heal = min(heal, default=math.inf)
+        state.now = now
+        state.dirty = False
+        view.set_members(healthy or ready)
+
+    def _expire_metrics(self, state: _Model, order: int, now: float) -> None:
+        candidate = state.view.slots[order]
+        scraped = self._metrics.get(candidate.pod.key)
+        if scraped is not None and now <= scraped.fresh_until:
+            return  # a later scrape pushed its own entry
+        if candidate.waiting is not None or candidate.kv_usage is not None:
+            candidate.waiting = candidate.kv_usage = None
+            state.view.changed(order)
+
+    def _running_changed(self, key: str) -> None:
+        slot = self._slot.get(key)
+        if slot is not None:
+            state, order = slot
+            candidate = state.view.slots[order]
+            running = self._inflight.get(key, 0) + self._remote.get(key, 0)
+            if candidate.running != running:
+                candidate.running = running
+                state.view.changed(order)
 
     def acquire(self, pod: Pod) -> Lease:
         key = pod.key
         self._inflight[key] = self._inflight.get(key, 0) + 1
         self._routed[key] = self._routed.get(key, 0) + 1
+        self._running_changed(key)
         return Lease(self, pod)
 
     def pod_by_endpoint(self, endpoint: str) -> Pod | None:
@@ -238,6 +316,7 @@ class PodPool:
             self._inflight[key] = left
         else:
             self._inflight.pop(key, None)
+        self._running_changed(key)
         if key in self._pods:  # else removed while in flight: do not resurrect its state
             if output_tokens > 0:
                 self._credit(key, output_tokens)
@@ -264,6 +343,9 @@ class PodPool:
             h.failures = 0
             doublings = min(h.ejections - 1, 30)  # bounded: a pod dead for days must not overflow
             h.ejected_until = now + min(policy.max_s, policy.base_s * 2**doublings)
+            slot = self._slot.get(key)
+            if slot is not None:
+                slot[0].dirty = True  # the routable set changes
 
     def ejected(self, key: str, now: float) -> bool:
         h = self._health.get(key)
@@ -274,8 +356,22 @@ class PodPool:
         if key not in self._pods:
             return
         previous = self._metrics.get(key)
-        self._metrics[key] = _Scraped(metrics, now)
+        scraped = self._metrics[key] = _Scraped(metrics, now, now + self._metrics_max_age_s)
         self._learn_saturation(key, metrics, None if previous is None else previous.metrics, now)
+        state, order = self._slot[key]
+        candidate = state.view.slots[order]
+        candidate.saturation = self.saturation(key)
+        if state.dirty:
+            return  # the next request recomputes the whole view
+        if state.now <= scraped.fresh_until:
+            candidate.waiting, candidate.kv_usage = metrics.waiting, metrics.kv_usage
+            stale = state.stale
+            heapq.heappush(stale, (scraped.fresh_until, order))
+            if len(stale) > 2 * len(state.view.slots) + 64:  # a model nobody asks for lately
+                state.dirty = True
+        else:
+            candidate.waiting = candidate.kv_usage = None
+        state.view.changed(order)
 
     def _learn_saturation(
         self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None, now: float
@@ -320,12 +416,24 @@ class PodPool:
     def refresh_capacity(self, now: float) -> None:
         """End of a scrape tick: capacity estimates move on, and the metrics just read count."""
         self._capacity.refresh(now)
+        for state in self._models.values():
+            moved = False
+            for candidate in state.view.slots:
+                estimate = self._capacity.estimate(candidate.pod.key)
+                if estimate != candidate.capacity:
+                    candidate.capacity = estimate
+                    moved = True
+            if moved and not state.dirty:
+                state.view.reindex()  # here, on the scrape tick, not on a request
         self._changed()
 
     # shared state (several gateways) ---------------------------------------------------------
     def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
         """Other gateways' in-flight counts per pod key (replaces the previous view)."""
-        self._remote = {k: v for k, v in counts.items() if v > 0}
+        old, self._remote = self._remote, {k: v for k, v in counts.items() if v > 0}
+        for key in old.keys() | self._remote.keys():
+            if old.get(key) != self._remote.get(key):
+                self._running_changed(key)
         self._changed()
 
     @property
@@ -389,6 +497,11 @@ class PodPool:
 
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
+
+    def scraped(self, key: str) -> tuple[EngineMetrics, float] | None:
+        """The pod's last engine metrics and the clock time they count until, if any."""
+        entry = self._metrics.get(key)
+        return None if entry is None else (entry.metrics, entry.fresh_until)
 
     def saturation(self, key: str) -> int | None:
         """The learned batch cap: the most the engine runs at once, as far as the pool knows."""

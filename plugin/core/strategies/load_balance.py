@@ -9,13 +9,21 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plugin.core.strategies.base import Picker, register_strategy, require_candidates
 from plugin.core.strategies.simple import random_min
 from plugin.core.types import Candidate, RequestInfo
+from plugin.core.view import CandidateView, usable_capacity
 
-__all__ = ["LoadBalance", "LoadBalanceSettings", "kv_free", "load_balance_scores", "with_room"]
+__all__ = [
+    "LoadBalance",
+    "LoadBalanceSettings",
+    "kv_free",
+    "load_balance_scores",
+    "score",
+    "with_room",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +45,22 @@ def kv_free(kv_usage: float | None) -> float:
     return 1.0 - min(1.0, max(0.0, kv_usage))
 
 
-def _valid_capacity(capacity: float | None) -> bool:
-    return capacity is not None and capacity > 0 and math.isfinite(capacity)
+def score(candidate: Candidate, params: LoadBalanceSettings, default_capacity: float) -> float:
+    """One candidate's score; `default_capacity` stands in for a missing estimate."""
+    free = kv_free(candidate.kv_usage)
+    if free < params.kv_critical_free:
+        return math.inf
+    if candidate.running == 0:
+        return 0.0
+    load = float(candidate.running)
+    waiting = candidate.waiting
+    if params.queued_weight > 0 and waiting is not None and not math.isnan(waiting):
+        load += params.queued_weight * max(0.0, waiting)
+    capacity = candidate.capacity
+    if capacity is None or not usable_capacity(capacity):
+        capacity = default_capacity
+    pressure = 1.0 - free
+    return load / capacity * (1.0 + params.kv_pressure_alpha * pressure * pressure)
 
 
 def load_balance_scores(
@@ -50,31 +72,10 @@ def load_balance_scores(
     estimates that exist, and with none at all every replica gets the same capacity.
     """
     known = [
-        c.capacity for c in candidates if c.capacity is not None and _valid_capacity(c.capacity)
+        c.capacity for c in candidates if c.capacity is not None and usable_capacity(c.capacity)
     ]
     default_capacity = sum(known) / len(known) if known else 1.0
-    lam = params.queued_weight
-    alpha = params.kv_pressure_alpha
-    scores: list[float] = []
-    for c in candidates:
-        free = kv_free(c.kv_usage)
-        if free < params.kv_critical_free:
-            scores.append(math.inf)
-            continue
-        if c.running == 0:
-            scores.append(0.0)
-            continue
-        load = float(c.running)
-        if lam > 0 and c.waiting is not None and not math.isnan(c.waiting):
-            load += lam * max(0.0, c.waiting)
-        capacity = (
-            c.capacity
-            if c.capacity is not None and _valid_capacity(c.capacity)
-            else (default_capacity)
-        )
-        pressure = 1.0 - free
-        scores.append(load / capacity * (1.0 + alpha * pressure * pressure))
-    return scores
+    return [score(c, params, default_capacity) for c in candidates]
 
 
 def with_room(
@@ -92,22 +93,60 @@ def with_room(
     return room
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class _ByScore:
+    """Index key for `load-balance`: (below the KV guardrail, score, -kvFree), lowest first.
+
+    Its smallest keys are exactly the candidates the pass over all of them picks among: the
+    guardrail flag only sorts the +Inf scores of replicas below the guardrail after the +Inf
+    of overflowing ones, which the pass ranks the same way by free KV.
+    """
+
+    params: LoadBalanceSettings
+    room_only: bool  # only replicas whose batch has room (the full-batch rule)
+
+    def key(self, candidate: Candidate) -> tuple[float, ...]:
+        free = kv_free(candidate.kv_usage)
+        guard = 1.0 if free < self.params.kv_critical_free else 0.0
+        return (guard, score(candidate, self.params, 1.0), -free)
+
+    def member(self, candidate: Candidate) -> bool:
+        if not self.room_only:
+            return True
+        cap = candidate.saturation
+        return cap is None or candidate.running < cap
+
+
 @register_strategy("load-balance", LoadBalanceSettings)
 @dataclass(frozen=True, slots=True)
 class LoadBalance(Picker):
     """Capacity-aware: lowest score wins; ties by least KV usage, then at random.
 
     When every replica is below the KV guardrail the request still routes, to the one with the
-    most KV headroom.
+    most KV headroom. On a `CandidateView` the pick comes from sorted indexes the view keeps
+    current (O(log n)); the pass over a plain list is the rule they reproduce, and the path
+    used while the pool mixes replicas with and without a capacity estimate (the stand-in
+    capacity is then the mean over whichever subset is scored).
     """
 
     params: LoadBalanceSettings
     name: str = "load-balance"
+    _room: _ByScore = field(init=False, repr=False, compare=False)
+    _all: _ByScore = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_room", _ByScore(self.params, room_only=True))
+        object.__setattr__(self, "_all", _ByScore(self.params, room_only=False))
 
     def pick(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
     ) -> Candidate:
         require_candidates(candidates)
+        if isinstance(candidates, CandidateView) and candidates.known_capacities in (
+            0,
+            len(candidates),
+        ):
+            return self._pick_indexed(candidates, rng)
         if self.params.avoid_full_batches:
             candidates = with_room(candidates, self.params.kv_critical_free)
         scores = load_balance_scores(candidates, self.params)
@@ -115,3 +154,11 @@ class LoadBalance(Picker):
         if all(math.isinf(s) for s in scores):
             return random_min(candidates, [(-f,) for f in frees], rng)
         return random_min(candidates, [(s, -f) for s, f in zip(scores, frees, strict=True)], rng)
+
+    def _pick_indexed(self, view: CandidateView, rng: random.Random) -> Candidate:
+        if self.params.avoid_full_batches:
+            room = view.sorted_by(self._room)
+            best = room.min_key()
+            if best is not None and best[0] == 0.0:  # some replica with room is above the guardrail
+                return room.pick_min(rng)
+        return view.sorted_by(self._all).pick_min(rng)

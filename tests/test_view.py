@@ -1,0 +1,169 @@
+"""The per-model view kept current by events picks exactly what a pass over a fresh list picks.
+
+Random pools go through random event sequences (leases taken and released, scrapes, capacity
+refreshes, ejections, other gateways' counts, the clock moving on and sometimes back); at each
+step the view must hold the same candidates a straightforward rebuild from the pool's public
+state gives, and every strategy must pick the same pod from the view (its sorted indexes) as
+from that plain list (the reference pass), with the same seeded random draws.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import EjectionPolicy, Lease, PodPool
+from plugin.core.strategies import LoadBalanceSettings, Route, build_strategies
+from plugin.core.types import Candidate, EngineMetrics, Pod, RequestInfo
+from plugin.core.view import CandidateView
+
+pytestmark = pytest.mark.unit
+
+MODEL = "m"
+MAX_AGE_S = 2.0
+KV = (None, 0.0, 0.2, 0.5, 0.93, 0.97, 1.0, float("nan"))
+WAITING = (None, 0.0, 0.0, 1.0, 2.0, float("nan"))
+SETTINGS = (
+    LoadBalanceSettings(),
+    LoadBalanceSettings(avoid_full_batches=False),
+    LoadBalanceSettings(queued_weight=0.5, kv_pressure_alpha=0.0, kv_critical_free=0.05),
+)
+
+
+def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Candidate]:
+    """What `PodPool.candidates` promises, built the plain way from the pool's public state."""
+    ready = [p for p in pods if p.ready]
+    healthy = [p for p in ready if not pool.ejected(p.key, now)] or ready
+    out = []
+    for p in healthy:
+        scraped = pool.scraped(p.key)
+        fresh = scraped is not None and now <= scraped[1]
+        out.append(
+            Candidate(
+                p,
+                pool.inflight(p.key) + pool.remote_inflight(p.key),
+                scraped[0].waiting if fresh and scraped else None,
+                scraped[0].kv_usage if fresh and scraped else None,
+                pool.capacity(p.key),
+                pool.saturation(p.key),
+            )
+        )
+    return out
+
+
+def fields(c: Candidate) -> tuple[object, ...]:
+    # repr: NaN equals itself, and 0.0 vs -0.0 would show
+    return (c.pod.key, c.running, repr(c.waiting), repr(c.kv_usage), c.capacity, c.saturation)
+
+
+def check(pool: PodPool, pods: list[Pod], now: float, seed: int) -> None:
+    view = pool.candidates(MODEL, now)
+    assert isinstance(view, CandidateView)
+    plain = reference_candidates(pool, pods, now)
+    assert [fields(c) for c in view] == [fields(c) for c in plain]
+    request = RequestInfo(MODEL)
+    for lb in SETTINGS:
+        fast, slow = build_strategies(lb), build_strategies(lb)
+        for name in sorted(fast):
+            a = fast[name].admit(view, request, random.Random(seed), now)
+            b = slow[name].admit(plain, request, random.Random(seed), now)
+            assert isinstance(a, Route) and isinstance(b, Route)
+            assert a.candidate.pod.key == b.candidate.pod.key, (name, lb)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 30))
+def test_view_and_indexes_match_the_plain_pass(seed: int, n: int) -> None:
+    rng = random.Random(seed)
+    pool = PodPool(
+        CapacityEstimator(window_s=10.0, tau_s=2.0),
+        metrics_max_age_s=MAX_AGE_S,
+        ejection=EjectionPolicy(consecutive_5xx=2, base_s=3.0, max_s=6.0),
+        saturation_probe_s=5.0,
+    )
+    pods = [
+        Pod(f"p{i}", "ns", MODEL, "10.0.0.1", 8000 + i, 8000, ready=rng.random() < 0.9)
+        for i in range(n)
+    ]
+    other = Pod("q0", "ns", "other", "10.0.0.2", 9000, 9000)
+    pool.set_pods([*pods, other])
+    if not any(p.ready for p in pods):
+        return  # NoReadyPod: covered elsewhere
+    leases: list[Lease] = []
+    now = 0.0
+    for _ in range(120):
+        roll = rng.random()
+        target = rng.choice(pods)
+        if roll < 0.25:
+            leases.append(pool.acquire(target))
+        elif roll < 0.45 and leases:
+            lease = leases.pop(rng.randrange(len(leases)))
+            status = rng.choice((200, 200, 200, 503))
+            lease.release(rng.choice((0, 50, 400)), status, now)
+        elif roll < 0.65:
+            running = float(rng.randint(0, 4))
+            pool.update_metrics(
+                target.key, EngineMetrics(running, rng.choice(WAITING), rng.choice(KV)), now
+            )
+        elif roll < 0.72:
+            pool.credit_tokens(target.key, rng.choice((100, 100, 700)))
+            pool.refresh_capacity(now)
+        elif roll < 0.76:
+            counts = {p.key: rng.randint(0, 2) for p in rng.sample(pods, min(3, len(pods)))}
+            pool.set_remote_inflight(counts)
+        elif roll < 0.78 and rng.random() < 0.3:
+            pods = pods[1:] + pods[:1] if len(pods) > 1 else pods  # discovery reorders
+            pool.set_pods([*pods, other])
+        elif roll < 0.80:
+            now = max(0.0, now - rng.uniform(0.0, 3.0))  # a caller with an older clock
+        else:
+            now += rng.choice((0.0, 0.1, 0.5, 1.0, 2.0, 2.5))
+        if rng.random() < 0.5:
+            check(pool, pods, now, rng.randrange(1 << 30))
+    for lease in leases:
+        lease.release()
+    check(pool, pods, now, 7)
+    assert all(c.running == pool.remote_inflight(c.pod.key) for c in pool.candidates(MODEL, now))
+
+
+def test_a_large_pool_is_not_rebuilt_per_request() -> None:
+    """The view is the same object between requests and its candidates are updated in place."""
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=3.0)
+    pods = [Pod(f"p{i}", "ns", MODEL, "10.0.0.1", 8000 + i, 8000) for i in range(1000)]
+    pool.set_pods(pods)
+    first = pool.candidates(MODEL, 1.0)
+    picked = build_strategies()["least-request"].admit(
+        first, RequestInfo(MODEL), random.Random(1), 1.0
+    )
+    assert isinstance(picked, Route)
+    lease = pool.acquire(picked.candidate.pod)
+    again = pool.candidates(MODEL, 1.5)
+    assert again is first
+    assert picked.candidate.running == 1  # the same Candidate object, updated by the lease
+    lease.release()
+    assert picked.candidate.running == 0
+
+
+def test_when_every_replica_with_room_is_below_the_kv_guardrail_a_full_one_takes_it() -> None:
+    """The full-batch rule yields to the guardrail: from the view's indexes as from the list."""
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=10.0)
+    full = Pod("full", "ns", MODEL, "10.0.0.1", 8000, 8000)
+    tight = Pod("tight", "ns", MODEL, "10.0.0.1", 8001, 8000)
+    pool.set_pods([full, tight])
+    for t in (1.0, 2.0):  # queueing at a steady running count of 2: its batch cap is 2
+        pool.update_metrics(full.key, EngineMetrics(2.0, 1.0, 0.5), t)
+    pool.update_metrics(tight.key, EngineMetrics(1.0, 0.0, 0.97), 2.0)
+    leases = [pool.acquire(full), pool.acquire(full)]
+    assert pool.saturation(full.key) == 2
+    view = pool.candidates(MODEL, 2.5)
+    plain = reference_candidates(pool, [full, tight], 2.5)
+    lb = build_strategies()["load-balance"]
+    for candidates in (view, plain):
+        answer = lb.admit(candidates, RequestInfo(MODEL), random.Random(0), 2.5)
+        assert isinstance(answer, Route) and answer.candidate.pod is full
+    for lease in leases:
+        lease.release()
