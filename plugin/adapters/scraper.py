@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
 
 from plugin.core.pool import PodPool
 from plugin.core.types import EngineMetrics, Pod
@@ -30,12 +31,31 @@ _WANTED = frozenset(_RUNNING + _WAITING + _KV)
 # on the event loop that answers Envoy costs tens of ms per pod. Only the wanted lines are parsed.
 _WANTED_PREFIXES = tuple(sorted(_WANTED))
 MAX_METRICS_BYTES = 8 * 1024 * 1024
+# Scrapes in flight at once. The bound is ours, not the connector's: aiohttp's own connection
+# limit makes every released connection shuffle the queue of waiting hosts, which at a thousand
+# pods cost more CPU than the scrapes (`docs/plugin-cost.md`).
+MAX_CONCURRENT_SCRAPES = 64
 _NOTHING = EngineMetrics()
 
 
 def wanted_lines(text: str) -> str:
-    """The sample lines of the wanted metrics (TYPE/HELP and every other family dropped)."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(_WANTED_PREFIXES))
+    """The lines of the page that start with a wanted metric's name, in page order.
+
+    Found with `str.find` per name rather than by splitting the page into lines: a page is
+    hundreds of lines and this runs for every pod on every tick (`docs/plugin-cost.md`).
+    """
+    padded = "\n" + text
+    found: dict[int, str] = {}
+    for prefix in _WANTED_PREFIXES:
+        needle = "\n" + prefix
+        at = padded.find(needle)
+        while at >= 0:
+            end = padded.find("\n", at + 1)
+            found[at] = padded[at + 1 : end].rstrip("\r") if end >= 0 else padded[at + 1 :]
+            if end < 0:
+                break
+            at = padded.find(needle, end)
+    return "\n".join(found[at] for at in sorted(found))
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -79,10 +99,20 @@ class MetricsScraper:
         self._clock = clock
         self._failing: set[str] = set()
         self.errors_total: dict[str, int] = {}
+        # Parsed once per pod address: building a URL from text on every scrape of every pod
+        # is a noticeable share of a tick at a thousand pods.
+        self._urls: dict[tuple[str, int], URL] = {}
+
+    def _url(self, pod: Pod) -> URL:
+        where = (pod.address, pod.metrics_port)
+        url = self._urls.get(where)
+        if url is None:
+            host = f"[{pod.address}]" if ":" in pod.address else pod.address
+            url = self._urls[where] = URL(f"http://{host}:{pod.metrics_port}/metrics")
+        return url
 
     async def _scrape(self, session: aiohttp.ClientSession, pod: Pod) -> None:
-        host = f"[{pod.address}]" if ":" in pod.address else pod.address
-        url = f"http://{host}:{pod.metrics_port}/metrics"
+        url = self._url(pod)
         try:
             async with session.get(url, timeout=self._timeout) as resp:
                 resp.raise_for_status()
@@ -107,12 +137,19 @@ class MetricsScraper:
             log.info("metrics scrape of %s recovered", pod.key)
         self._pool.update_metrics(pod.key, metrics, self._clock())
 
+    async def _bounded(
+        self, gate: asyncio.Semaphore, session: aiohttp.ClientSession, pod: Pod
+    ) -> None:
+        async with gate:
+            await self._scrape(session, pod)
+
     async def tick(self, session: aiohttp.ClientSession) -> None:
         pods = self._pool.pods()
+        gate = asyncio.Semaphore(MAX_CONCURRENT_SCRAPES)
         try:
             if pods:
                 results = await asyncio.gather(
-                    *(self._scrape(session, p) for p in pods), return_exceptions=True
+                    *(self._bounded(gate, session, p) for p in pods), return_exceptions=True
                 )
                 for pod, result in zip(pods, results, strict=True):
                     if isinstance(result, Exception):
@@ -120,12 +157,16 @@ class MetricsScraper:
         finally:
             self._pool.refresh_capacity(self._clock())
         present = {p.key for p in pods}
+        if len(self._urls) > 2 * len(pods) + 64:  # addresses of pods long gone
+            self._urls = {(p.address, p.metrics_port): self._url(p) for p in pods}
         for key in self.errors_total.keys() - present:
             del self.errors_total[key]
         self._failing &= present
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession() as session:
+        # No connector limit (see MAX_CONCURRENT_SCRAPES); each pod keeps its connection alive
+        # between ticks.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             next_at = self._clock()
             while True:
                 try:

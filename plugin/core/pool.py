@@ -181,18 +181,29 @@ class PodPool:
         self._pods = new
         self._by_model = by_model
         self._by_endpoint = {p.endpoint: p for p in new.values()}
-        self._models = {}
+        old_models, self._models = self._models, {}
         self._slot = {}
         for model, model_pods in by_model.items():
-            slots = [self._new_candidate(p) for p in model_pods]
-            state = _Model(
-                CandidateView(model, slots), model_pods, any(p.ready for p in model_pods)
-            )
+            state = old_models.get(model)
+            if state is None or state.pods != model_pods:  # else the model kept its view
+                state = self._new_model(model, model_pods, state)
             self._models[model] = state
             for order, pod in enumerate(model_pods):
                 self._slot[pod.key] = (state, order)
         self.loaded = True
         self._changed()
+
+    def _new_model(self, model: str, pods: list[Pod], old: _Model | None) -> _Model:
+        """A model's view for a new pod list; candidates of pods that did not change are kept
+        (their fields are current), so an update costs little per unchanged pod."""
+        kept = {} if old is None else {c.pod.key: c for c in old.view.slots}
+        slots = []
+        for pod in pods:
+            candidate = kept.get(pod.key)
+            if candidate is None or (candidate.pod is not pod and candidate.pod != pod):
+                candidate = self._new_candidate(pod)
+            slots.append(candidate)
+        return _Model(CandidateView(model, slots), pods, any(p.ready for p in pods))
 
     def _new_candidate(self, pod: Pod) -> Candidate:
         key = pod.key

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class Pod:
-    """One replica of one model. Every per-pod state is keyed by `key` (namespace/name)."""
+    """One replica of one model. Every per-pod state is keyed by `key` (namespace/name).
+
+    `key` and `endpoint` are computed once: the pool reads them on every lease and every
+    discovery update, for every pod.
+    """
 
     name: str
     namespace: str
@@ -19,16 +23,14 @@ class Pod:
     engine: str = "vllm"
     ready: bool = True
     labels: Mapping[str, str] = field(default_factory=dict)
+    key: str = field(init=False, repr=False, compare=False)
+    # IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`.
+    endpoint: str = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-    @property
-    def endpoint(self) -> str:
-        """IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`."""
+    def __post_init__(self) -> None:
         host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{host}:{self.port}"
+        object.__setattr__(self, "key", f"{self.namespace}/{self.name}")
+        object.__setattr__(self, "endpoint", f"{host}:{self.port}")
 
 
 @dataclass(frozen=True, slots=True)
