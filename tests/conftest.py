@@ -261,3 +261,9 @@ def crd_dir() -> Path:
 def trace_dir() -> Path:
     """The shared data's Azure LLM inference traces, for the simulator's workloads."""
     return _require_shared("traces", "the Azure LLM inference traces")
+
+
+@pytest.fixture(scope="session")
+def profile_dir() -> Path:
+    """The shared data's AIBrix GPU profiles and the benchmark rows they were built from."""
+    return _require_shared("aibrix-profiles", "AIBrix's GPU profiles and benchmark rows")

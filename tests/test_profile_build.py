@@ -1,0 +1,164 @@
+"""Profiles in AIBrix's format: parsing both versions, and `profile build` reproducing AIBrix's
+own output from the same benchmark rows."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from plugin.core.profile import GpuProfile, parse_profile, profile_key
+from plugin.errors import ConfigError
+from plugin_tools.profile.build import BenchmarkRow, build_profile, load_benchmark
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.unit
+
+A100 = "simulator-llama2-7b-a100"
+A40 = "simulator-llama2-7b-a40"
+
+
+def _close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return len(a) == len(b) and all(
+        len(ra) == len(rb) and all(abs(x - y) <= 1e-6 for x, y in zip(ra, rb, strict=True))
+        for ra, rb in zip(a, b, strict=True)
+    )
+
+
+def test_build_reproduces_aibrix_profile(profile_dir: Path) -> None:
+    """AIBrix built the A100 profile from these rows with --e2e 5 --percentile 99 --cost 1."""
+    reference = json.loads((profile_dir / f"{A100}.json").read_text())
+    rows = load_benchmark(profile_dir / f"{A100}.jsonl")
+    built = build_profile(rows, A100, slos={"e2e": 5.0}, percentile=99, cost=1.0).to_json()
+    assert built["indexes"] == reference["indexes"]
+    assert _close(built["tputs"], reference["tputs"])
+    assert _close(built["e2e"], reference["e2e"])
+    assert built["slos"] == reference["slos"]
+    assert (built["gpu"], built["cost"]) == (reference["gpu"], reference["cost"])
+    assert list(built) == list(reference)  # same keys, same order
+    # The grid is not trivial: some cells never meet the SLO, the rest at different rates.
+    flat = [v for row in built["tputs"] for v in row]
+    assert 0.0 in flat and len(set(flat)) > 20
+
+
+def test_cli_build_writes_the_same_profile(profile_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a100.json"
+    result = run_cli(
+        "profile",
+        "build",
+        A100,
+        "--benchmark",
+        str(profile_dir / f"{A100}.jsonl"),
+        "--e2e",
+        "5",
+        "--percentile",
+        "99",
+        "--cost",
+        "1.0",
+        "-o",
+        str(out),
+        timeout_s=60,
+    )
+    assert result.returncode == 0, result.stderr
+    written = json.loads(out.read_text())
+    reference = json.loads((profile_dir / f"{A100}.json").read_text())
+    assert _close(written["tputs"], reference["tputs"]) and written["created"] > 1.7e9
+
+
+@pytest.mark.parametrize("name", [A100, A40])
+def test_both_formats_load(profile_dir: Path, name: str) -> None:
+    doc = json.loads((profile_dir / f"{name}.json").read_text())
+    profile = parse_profile(doc)
+    assert profile.gpu == name
+    assert profile.out_ticks == tuple(doc["indexes"][0])
+    assert profile.in_ticks == tuple(doc["indexes"][1])
+    assert len(profile.tputs) == len(profile.out_ticks)
+    if name == A40:  # the older format: no e2e, no slos
+        assert profile.e2e is None and profile.slos == {} and profile.percentile == 0
+        assert profile.cost == 0.3
+    else:
+        assert profile.e2e is not None and profile.slos == {"e2e": 5.0}
+    assert parse_profile(profile.to_json()) == profile  # round trip
+
+
+def _cell(rate: float, tput: float, e2e_p99: float, ttft: float = 0.01) -> list[BenchmarkRow]:
+    return [
+        BenchmarkRow(128, 8, rate, "TPUT", tput),
+        BenchmarkRow(128, 8, rate, "TT", tput * 8),
+        BenchmarkRow(128, 8, rate, "E2E", e2e_p99 / 2, e2e_p99 / 3, e2e_p99 / 2, e2e_p99),
+        BenchmarkRow(128, 8, rate, "TTFT", ttft, ttft, ttft, ttft),
+        BenchmarkRow(128, 8, rate, "TPOT", 0.01, 0.01, 0.01, 0.01),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("cells", "expected_tput"),
+    [
+        # 1, 2, 4 pass the 1 s p99; 4 is not kept up with (3.0 < 0.9 x 4): 2 wins.
+        ([(1.0, 1.0, 0.2), (2.0, 1.95, 0.5), (4.0, 3.0, 0.9), (8.0, 3.1, 4.0)], 1.95),
+        # Every passing rate falls behind: the lowest passing rate.
+        ([(1.0, 0.5, 0.2), (2.0, 0.9, 0.5), (4.0, 1.0, 2.0)], 0.5),
+        # Nothing passes: 0, and e2e of the first row of the cell.
+        ([(1.0, 1.0, 3.0), (2.0, 2.0, 4.0)], 0.0),
+    ],
+    ids=["highest-kept-up", "lowest-passing", "none"],
+)
+def test_rate_choice(cells: list[tuple[float, float, float]], expected_tput: float) -> None:
+    rows = [r for rate, tput, p99 in cells for r in _cell(rate, tput, p99)]
+    profile = build_profile(rows, "gpu", slos={"e2e": 1.0}, percentile=99)
+    assert profile.tputs == ((expected_tput,),)
+    assert profile.e2e is not None
+    if expected_tput == 0.0:
+        assert profile.e2e == ((cells[0][2] / 2,),)
+
+
+def test_every_slo_applies_and_tpat_is_derived() -> None:
+    rows = _cell(1.0, 1.0, 0.2, ttft=0.5) + _cell(2.0, 2.0, 0.4, ttft=0.05)
+    # TTFT below 0.1 s: only rate 2 passes; its mean TTFT is recorded.
+    profile = build_profile(rows, "gpu", slos={"ttft": 0.1}, percentile=90)
+    assert profile.tputs == ((2.0,),) and profile.ttft == ((0.05,),)
+    # TPAT = E2E / (128 + 8): mean E2E 0.1 s at rate 1 -> 0.000735 s a token, 0.2 s at rate 2
+    # -> 0.00147: only rate 1 passes 0.0008.
+    assert build_profile(rows, "gpu", slos={"tpat": 0.0008}).tputs == ((1.0,),)
+    assert build_profile(rows, "gpu", slos={"tpat": 0.0005}).tputs == ((0.0,),)
+    # A throughput SLO compares the mean, at or above.
+    assert build_profile(rows, "gpu", slos={"tput": 1.5}).tputs == ((2.0,),)
+
+
+def test_a_metric_missing_from_a_cell_fails_it() -> None:
+    rows = [r for r in _cell(1.0, 1.0, 0.2) if r.metric != "TPOT"]
+    assert build_profile(rows, "gpu").tputs == ((0.0,),)
+    nan_row = [*(r for r in rows), BenchmarkRow(128, 8, 1.0, "TPOT", math.nan)]
+    assert build_profile(nan_row, "gpu").tputs == ((0.0,),)
+
+
+def test_bad_inputs_say_what_is_wrong(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"input_tokens": 1, "output_tokens": 1, "request_rate": 1, "metric": "E2E"}\nnot json\n'
+    )
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not JSON"):
+        load_benchmark(bad)
+    with pytest.raises(ConfigError, match="unknown SLO latency"):
+        build_profile(_cell(1.0, 1.0, 0.1), "gpu", slos={"latency": 1.0})
+    with pytest.raises(ConfigError, match="tputs must be a 1 x 2"):
+        parse_profile({"gpu": "g", "indexes": [[4], [8, 16]], "tputs": [[1.0]]})
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        parse_profile({"gpu": "g", "indexes": [[8, 4], [8]], "tputs": [[1.0], [1.0]]})
+
+
+def test_cell_lookup_by_log2_signature() -> None:
+    profile = GpuProfile("g", 1.0, (4, 8, 16), (128, 256), ((0.0, 0.0),) * 3, 0.0)
+    assert profile.cell(128, 4) == (0, 0)
+    assert profile.cell(180, 11) == (1, 0)  # log2 11 = 3.46: nearer 8; 180: nearer 128
+    assert profile.cell(182, 12) == (2, 1)  # log2 12 = 3.58: nearer 16; 182: nearer 256
+    assert profile.cell(128, 22) == (2, 0)  # 22 is within half a doubling above 16
+    assert profile.cell(128, 23) is None  # beyond it
+    # 128 / sqrt(2) = 90.5: 91 is within half a doubling below the first input tick, 90 is not.
+    assert profile.cell(91, 4) == (0, 0) and profile.cell(90, 4) is None
+
+
+def test_profile_key_is_aibrix_s() -> None:
+    assert profile_key("llama2-7b", A100) == f"aibrix:profile_llama2-7b_{A100}"
