@@ -34,7 +34,9 @@ N = TypeVar("N", int, float)
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 DISCOVERY_KINDS = ("file", "kubernetes")
 DEFAULT_K8S_LABEL_SELECTOR = "model.aibrix.ai/name"
-DEFAULT_GPU_LABEL = "app.kubernetes.io/name"
+# AIBrix names a pod's deployment (GPU type) by this label; it maps the pod to its profile.
+DEFAULT_DEPLOYMENT_LABEL = "app.kubernetes.io/name"
+DEFAULT_GPU_LABEL = DEFAULT_DEPLOYMENT_LABEL
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 README_TABLE_BEGIN = "<!-- config-table:begin -->"
@@ -573,7 +575,24 @@ GPU_LABEL: Var[str] = Var(
     DEFAULT_GPU_LABEL,
     "Pod label whose value names the GPU type (`gpu` in `/debug/pods`, `hetero_gateway_pod_info`).",
 )
+DEPLOYMENT_LABEL: Var[str] = Var(
+    "AIBRIX_POD_DEPLOYMENT_LABEL",
+    LabelKey(),
+    DEFAULT_DEPLOYMENT_LABEL,
+    "Pod label whose value names the pod's deployment (GPU type): what maps it to its GPU profile,"
+    " in both discovery sources.",
+)
+PROFILE_DIR: Var[str | None] = Var(
+    "HETERO_GATEWAY_PROFILE_DIR",
+    Text(what="path"),
+    None,
+    "Directory of GPU profiles (`<model>/<deployment>.json`, AIBrix's format), read at start and"
+    " every 10 s; with Redis, profiles are read from `aibrix:profile_*` keys instead.",
+)
 REDIS_PORT: Var[int] = Var("REDIS_PORT", Int(ge=1, le=65535, noun="a port"), 6379, "Redis port.")
+REDIS_DB: Var[int] = Var(
+    "REDIS_DB", Int(ge=0, le=1_000_000), 0, "Redis database number, for every use of Redis."
+)
 REDIS_HOST: Var[str | None] = Var(
     "REDIS_HOST",
     Host(port_var=REDIS_PORT.name),
@@ -637,8 +656,11 @@ ENV_VARS: tuple[Var[Any], ...] = (
     K8S_NAMESPACE,
     K8S_LABEL_SELECTOR,
     GPU_LABEL,
+    DEPLOYMENT_LABEL,
+    PROFILE_DIR,
     REDIS_HOST,
     REDIS_PORT,
+    REDIS_DB,
     REDIS_PASSWORD,
     POD_NAME,
     POD_NAMESPACE,
@@ -656,6 +678,7 @@ class RedisSettings:
 
     host: str
     port: int = REDIS_PORT.default
+    db: int = REDIS_DB.default
     password: str | None = field(default=None, repr=False)
     gateway_id: str = "gateway"
     sync_interval_s: float = REDIS_SYNC_MS.default / 1000.0
@@ -684,6 +707,8 @@ class Settings:
     k8s_namespaces: tuple[str, ...] = K8S_NAMESPACE.default  # empty: every namespace
     k8s_label_selector: str = K8S_LABEL_SELECTOR.default
     gpu_label: str = GPU_LABEL.default
+    deployment_label: str = DEPLOYMENT_LABEL.default
+    profile_dir: str | None = PROFILE_DIR.default
     redis: RedisSettings | None = None  # None: state stays in this process
 
     @property
@@ -715,6 +740,7 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
             f" {REDIS_SYNC_MS.name}={sync_ms}, or live gateways' entries expire"
         )
     password = REDIS_PASSWORD.read(env)
+    db = REDIS_DB.read(env)
     name, namespace = POD_NAME.read(env), POD_NAMESPACE.read(env)
     if host is None:
         return None
@@ -722,6 +748,7 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
     return RedisSettings(
         host=host,
         port=port,
+        db=db,
         password=password,
         gateway_id=f"{namespace}/{name}" if namespace else name,
         sync_interval_s=sync_ms / 1000.0,
@@ -764,6 +791,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         k8s_namespaces=K8S_NAMESPACE.read(env),
         k8s_label_selector=K8S_LABEL_SELECTOR.read(env),
         gpu_label=GPU_LABEL.read(env),
+        deployment_label=DEPLOYMENT_LABEL.read(env),
+        profile_dir=PROFILE_DIR.read(env),
         redis=_redis_settings(env),
     )
 

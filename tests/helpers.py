@@ -154,7 +154,14 @@ def write_pods_file(path: Path, pods: Iterable[Pod]) -> Path:
     """A pods file (README's format) listing `pods` under their models; returns `path`."""
     models: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for p in pods:
-        entry = {"name": p.name, "namespace": p.namespace, "address": p.address, "port": p.port}
+        entry: dict[str, Any] = {
+            "name": p.name,
+            "namespace": p.namespace,
+            "address": p.address,
+            "port": p.port,
+        }
+        if p.labels:
+            entry["labels"] = dict(p.labels)
         models.setdefault(p.model, {"pods": []})["pods"].append(entry)
     path.write_text(yaml.safe_dump({"models": models}), encoding="utf-8")
     return path

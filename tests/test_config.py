@@ -260,12 +260,20 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_K8S_NAMESPACE": ("Team_A", "ok,-bad"),
     "HETERO_GATEWAY_K8S_LABEL_SELECTOR": ("a=b c",),
     "HETERO_GATEWAY_GPU_LABEL": ("gpu type", "/name"),
+    "AIBRIX_POD_DEPLOYMENT_LABEL": ("gpu type", "/name"),
+    "REDIS_DB": ("-1", "x", "1.5"),
     "REDIS_HOST": ("a b", "redis/0", "redis:6379"),
     "REDIS_PORT": ("0", "65536"),
     "HETERO_GATEWAY_REDIS_SYNC_MS": ("0",),
     "HETERO_GATEWAY_REDIS_TTL_MS": ("-1", "0"),
 }
-FREE_TEXT = {"HETERO_GATEWAY_PODS_FILE", "REDIS_PASSWORD", "POD_NAME", "POD_NAMESPACE"}
+FREE_TEXT = {
+    "HETERO_GATEWAY_PODS_FILE",
+    "HETERO_GATEWAY_PROFILE_DIR",  # checked when the gateway starts (a directory)
+    "REDIS_PASSWORD",
+    "POD_NAME",
+    "POD_NAMESPACE",
+}
 
 # Values on a bound that is inclusive: accepted, and read as given.
 EDGE_VALUES: list[tuple[str, str, Any]] = [

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
@@ -46,8 +47,11 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
-def parse_pods(doc: Any, source: str) -> list[Pod]:
-    """Validate a pods document; errors name the file and the offending entry."""
+def parse_pods(
+    doc: Any, source: str, deployment_label: str = DEFAULT_DEPLOYMENT_LABEL
+) -> list[Pod]:
+    """Validate a pods document; errors name the file and the offending entry. A pod's
+    deployment is the value of its `deployment_label` label."""
     if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
         raise ConfigError(f"{source}: expected a mapping with a 'models' mapping")
     pods: list[Pod] = []
@@ -92,6 +96,7 @@ def parse_pods(doc: Any, source: str) -> list[Pod]:
                 engine=str(entry.get("engine") or "vllm"),
                 ready=ready,
                 labels={str(k): str(v) for k, v in labels.items()},
+                deployment=str(labels[deployment_label]) if labels.get(deployment_label) else None,
             )
             if pod.key in seen:
                 raise ConfigError(f"{where}: pod {pod.key} listed twice")
@@ -107,7 +112,7 @@ def parse_pods(doc: Any, source: str) -> list[Pod]:
     return pods
 
 
-def load_pods_file(path: str) -> list[Pod]:
+def load_pods_file(path: str, deployment_label: str = DEFAULT_DEPLOYMENT_LABEL) -> list[Pod]:
     try:
         with open(path, encoding="utf-8") as fh:
             doc = yaml.safe_load(fh)
@@ -115,7 +120,7 @@ def load_pods_file(path: str) -> list[Pod]:
         raise ConfigError(f"cannot read pods file {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"pods file {path} is not valid YAML: {exc}") from None
-    return parse_pods(doc, path)
+    return parse_pods(doc, path, deployment_label)
 
 
 class StaticFileSource:
@@ -125,10 +130,13 @@ class StaticFileSource:
     taken for a shorter list. A bad edit is logged and ignored: the last good list keeps serving.
     """
 
-    def __init__(self, path: str, poll_s: float = 1.0) -> None:
+    def __init__(
+        self, path: str, poll_s: float = 1.0, deployment_label: str = DEFAULT_DEPLOYMENT_LABEL
+    ) -> None:
         self.path = path
         self._poll_s = poll_s
-        self._pods = load_pods_file(path)
+        self._deployment_label = deployment_label
+        self._pods = load_pods_file(path, deployment_label)
         self._stamp = self._stat()
 
     def _stat(self) -> tuple[int, int] | None:
@@ -151,7 +159,7 @@ class StaticFileSource:
                 continue
             self._stamp = stamp
             try:
-                pods = load_pods_file(self.path)
+                pods = load_pods_file(self.path, self._deployment_label)
             except ConfigError as exc:
                 log.error("ignoring changed pods file, keeping the last good list: %s", exc)
                 continue

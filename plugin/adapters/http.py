@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from plugin.adapters.extproc import ErrorCounts
+from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import DEFAULT_GPU_LABEL
 from plugin.core.pool import PodPool
@@ -139,13 +140,20 @@ def debug_pods(
     shared: SharedStateView | None = None,
     gpu_label: str = DEFAULT_GPU_LABEL,
     waiting: Mapping[str, int] | None = None,
+    profiles: ProfileLoader | None = None,
 ) -> dict[str, Any]:
-    """The pool's snapshot, each pod's GPU type, held requests, and the shared-state status."""
+    """The pool's snapshot, each pod's GPU type and whether its deployment has a GPU profile,
+    held requests, the shared-state status and the profiles known."""
     doc = pool.snapshot(now)
     for entry in doc["pods"].values():
         entry["gpu"] = entry["labels"].get(gpu_label)
+        entry["profile"] = (
+            profiles is not None
+            and profiles.book.lookup(entry["model"], entry["deployment"]) is not None
+        )
     doc["waiting"] = dict(waiting or {})
     doc["shared_state"] = {"mode": "off"} if shared is None else shared.status()
+    doc["profiles"] = {"source": "none"} if profiles is None else profiles.status()
     return doc
 
 
@@ -159,6 +167,7 @@ def build_app(
     gpu_label: str = DEFAULT_GPU_LABEL,
     draining: Callable[[], bool] = lambda: False,
     waiting: Callable[[], Mapping[str, int]] = dict,
+    profiles: ProfileLoader | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting))
@@ -180,7 +189,7 @@ def build_app(
 
     async def pods(_: web.Request) -> web.Response:
         return web.Response(
-            body=orjson.dumps(debug_pods(pool, clock(), shared, gpu_label, waiting())),
+            body=orjson.dumps(debug_pods(pool, clock(), shared, gpu_label, waiting(), profiles)),
             content_type="application/json",
         )
 

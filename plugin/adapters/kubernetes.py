@@ -37,6 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
 from plugin.adapters.discovery import PodsCallback
+from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
@@ -104,7 +105,9 @@ def object_key(obj: Any) -> str | None:
     return f"{namespace}/{name}"
 
 
-def pod_from_object(obj: Mapping[str, Any]) -> Pod | None:
+def pod_from_object(
+    obj: Mapping[str, Any], deployment_label: str = DEFAULT_DEPLOYMENT_LABEL
+) -> Pod | None:
     """The `Pod` a pod object (API JSON) describes.
 
     None when it is not a model pod, has no IP yet or has finished; `MalformedPod` when a model pod
@@ -148,6 +151,7 @@ def pod_from_object(obj: Mapping[str, Any]) -> Pod | None:
         engine=setting(ENGINE_KEY) or DEFAULT_ENGINE,
         ready=not terminating and _is_ready(status),
         labels=labels,
+        deployment=labels.get(deployment_label) or None,
     )
 
 
@@ -211,6 +215,7 @@ class KubernetesSource:
         request_timeout_s: float = 30.0,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
+        deployment_label: str = DEFAULT_DEPLOYMENT_LABEL,
     ) -> None:
         if watch_timeout_s <= 0 or request_timeout_s <= 0 or not 0 < backoff_s <= max_backoff_s:
             raise ConfigError(
@@ -227,6 +232,7 @@ class KubernetesSource:
         self.request_timeout_s = request_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.deployment_label = deployment_label
 
     async def run(self, on_update: PodsCallback) -> None:
         """Deliver pod lists until cancelled; cancelling stops the worker thread too (a list
@@ -440,7 +446,7 @@ class _Worker:
             log.warning("ignoring a pod object without metadata.namespace and metadata.name")
             return None, None
         try:
-            pod = pod_from_object(obj)
+            pod = pod_from_object(obj, self._source.deployment_label)
         except MalformedPod as exc:
             if self._skipped.get(key) != str(exc):
                 self._skipped[key] = str(exc)

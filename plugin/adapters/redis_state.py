@@ -132,6 +132,7 @@ class RedisState:
         return Redis(
             host=s.host,
             port=s.port,
+            db=s.db,
             password=s.password,
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,

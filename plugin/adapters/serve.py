@@ -20,10 +20,12 @@ from grpc_health.v1._async import HealthServicer
 from plugin.adapters.discovery import PodsCallback, PodSource, StaticFileSource
 from plugin.adapters.extproc import ExtProcServicer
 from plugin.adapters.http import build_app
+from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import Settings
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
+from plugin.core.profile import ProfileBook
 from plugin.core.router import Router
 from plugin.core.strategies import Strategy, build_strategies
 from plugin.core.types import Pod
@@ -81,7 +83,13 @@ def build_source(settings: Settings) -> PodSource:
         configuration = load_client_configuration()
         namespaces: Sequence[str | None] = settings.k8s_namespaces or (None,)
         sources = [
-            KubernetesSource(ns, settings.k8s_label_selector, configuration) for ns in namespaces
+            KubernetesSource(
+                ns,
+                settings.k8s_label_selector,
+                configuration,
+                deployment_label=settings.deployment_label,
+            )
+            for ns in namespaces
         ]
         return sources[0] if len(sources) == 1 else MergedSource(sources, unique_endpoints)
     if not settings.pods_file:
@@ -89,7 +97,7 @@ def build_source(settings: Settings) -> PodSource:
             "no pod source: pass --pods FILE or set HETERO_GATEWAY_PODS_FILE"
             " (or use --discovery kubernetes)"
         )
-    return StaticFileSource(settings.pods_file)
+    return StaticFileSource(settings.pods_file, deployment_label=settings.deployment_label)
 
 
 class Gateway:
@@ -130,6 +138,13 @@ class Gateway:
             from plugin.adapters.redis_state import RedisState
 
             self.shared = RedisState(self.pool, settings.redis)
+        # GPU profiles (SLO routing): from the directory when one is set, else from Redis.
+        self.profiles = ProfileBook()
+        self.profile_loader: ProfileLoader | None = None
+        if settings.profile_dir is not None:
+            self.profile_loader = DirectoryProfiles(self.profiles, settings.profile_dir)
+        elif settings.redis is not None:
+            self.profile_loader = RedisProfiles(self.profiles, settings.redis)
         self.health = HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
@@ -184,6 +199,7 @@ class Gateway:
             gpu_label=self.settings.gpu_label,
             draining=lambda: self.draining,
             waiting=self.router.waiting_by_model,
+            profiles=self.profile_loader,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -197,6 +213,8 @@ class Gateway:
         self._background(self.scraper.run(), "metrics scraping")
         if self.shared is not None:
             self._background(self.shared.run(), "shared state")
+        if self.profile_loader is not None:
+            self._background(self.profile_loader.run(), "GPU profile loading")
         log.info(
             "ext_proc gRPC on %s:%d, HTTP on %s:%d",
             self.host,
@@ -239,6 +257,8 @@ class Gateway:
                 await task
         if self.shared is not None:
             await self.shared.close()
+        if self.profile_loader is not None:
+            await self.profile_loader.close()
         if self._runner is not None:
             await self._runner.cleanup()
 

@@ -531,6 +531,7 @@ class PodPool:
                 "endpoint": pod.endpoint,
                 "ready": pod.ready,
                 "labels": dict(pod.labels),
+                "deployment": pod.deployment,
                 "inflight": self.inflight(key),
                 "inflight_remote": self.remote_inflight(key),
                 "routed_total": self.routed_total(key),

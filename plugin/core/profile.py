@@ -20,7 +20,7 @@ from typing import Any
 
 from plugin.errors import ConfigError
 
-__all__ = ["SLO_NAMES", "GpuProfile", "parse_profile", "profile_key"]
+__all__ = ["SLO_NAMES", "GpuProfile", "ProfileBook", "parse_profile", "profile_key"]
 
 # AIBrix's SLO argument names, in the order its profile builder applies them.
 SLO_NAMES = ("tput", "tt", "e2e", "ttft", "tpat", "tpot")
@@ -155,3 +155,39 @@ def parse_profile(doc: Any) -> GpuProfile:
         percentile=int(percentile),
         slos=slos,
     )
+
+
+class ProfileBook:
+    """The profiles the gateway knows, by AIBrix's key (`profile_key(model, deployment)`).
+
+    A loader hands in everything it found in one pass (`replace`): a profile is taken when its
+    key is new or its `created` is later than the one held, so an older copy written late never
+    replaces a newer one; a key the pass did not find is dropped (the profile was deleted). A
+    failed pass hands in nothing and changes nothing.
+    """
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, GpuProfile] = {}
+
+    def replace(self, found: Mapping[str, GpuProfile]) -> list[str]:
+        """Apply one complete pass; returns the keys that changed (added, newer, dropped)."""
+        changed = [k for k in self._by_key if k not in found]
+        kept = {k: v for k, v in self._by_key.items() if k in found}
+        for key, profile in found.items():
+            held = kept.get(key)
+            if held is None or profile.created > held.created:
+                kept[key] = profile
+                changed.append(key)
+        self._by_key = kept
+        return changed
+
+    def lookup(self, model: str, deployment: str | None) -> GpuProfile | None:
+        return None if deployment is None else self._by_key.get(profile_key(model, deployment))
+
+    def keys(self) -> list[str]:
+        return sorted(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)

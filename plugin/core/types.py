@@ -23,6 +23,9 @@ class Pod:
     engine: str = "vllm"
     ready: bool = True
     labels: Mapping[str, str] = field(default_factory=dict)
+    # The deployment (GPU type) the pod belongs to, from the label discovery is configured to
+    # read (AIBRIX_POD_DEPLOYMENT_LABEL): what maps a pod to its GPU profile. None: unlabelled.
+    deployment: str | None = None
     key: str = field(init=False, repr=False, compare=False)
     # IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`.
     endpoint: str = field(init=False, repr=False, compare=False)
