@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from plugin.core.pool import EjectionPolicy
-from plugin.core.strategies import LoadBalanceSettings, strategy_names
+from plugin.core.strategies import LoadBalanceSettings, SloSettings, strategy_names
 from plugin.errors import ConfigError
 
 V = TypeVar("V")
@@ -575,6 +575,16 @@ GPU_LABEL: Var[str] = Var(
     DEFAULT_GPU_LABEL,
     "Pod label whose value names the GPU type (`gpu` in `/debug/pods`, `hetero_gateway_pod_info`).",
 )
+# The ext_proc message timeout of the Envoy configs this project renders (`envoy-config`,
+# deploy/): Envoy gives up on a held request's reply after it, so no gateway wait may be longer.
+ENVOY_MESSAGE_TIMEOUT_S = 60.0
+SLO_MAX_WAIT_MS: Var[int] = Var(
+    "HETERO_GATEWAY_SLO_MAX_WAIT_MS",
+    Int(gt=0, le=int(ENVOY_MESSAGE_TIMEOUT_S * 1000) - 1000, unit=_MS),
+    30000,
+    "SLO strategies: the longest a request waits at the gateway for a replica with room (less if"
+    " its SLO runs out first); at most the Envoy ext_proc message timeout (60 s) less 1 s.",
+)
 DEPLOYMENT_LABEL: Var[str] = Var(
     "AIBRIX_POD_DEPLOYMENT_LABEL",
     LabelKey(),
@@ -656,6 +666,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     K8S_NAMESPACE,
     K8S_LABEL_SELECTOR,
     GPU_LABEL,
+    SLO_MAX_WAIT_MS,
     DEPLOYMENT_LABEL,
     PROFILE_DIR,
     REDIS_HOST,
@@ -691,6 +702,7 @@ class Settings:
 
     default_strategy: str = ROUTING_ALGORITHM.default
     load_balance: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
+    slo: SloSettings = field(default_factory=SloSettings)
     metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
     pods_file: str | None = PODS_FILE.default
@@ -717,7 +729,7 @@ class Settings:
 
     def strategy_settings(self) -> tuple[object, ...]:
         """Every strategy's own settings object, for `build_strategies(*...)`."""
-        return (self.load_balance,)
+        return (self.load_balance, self.slo)
 
 
 def _load_balance_settings(env: Mapping[str, str]) -> LoadBalanceSettings:
@@ -791,6 +803,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         k8s_namespaces=K8S_NAMESPACE.read(env),
         k8s_label_selector=K8S_LABEL_SELECTOR.read(env),
         gpu_label=GPU_LABEL.read(env),
+        slo=SloSettings(max_wait_s=SLO_MAX_WAIT_MS.read(env) / 1000.0),
         deployment_label=DEPLOYMENT_LABEL.read(env),
         profile_dir=PROFILE_DIR.read(env),
         redis=_redis_settings(env),

@@ -51,7 +51,11 @@ HEADERS_CONTINUE = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(
-                remove_headers=["target-pod", "x-gateway-destination-endpoint"]
+                remove_headers=[
+                    "target-pod",
+                    "x-gateway-destination-endpoint",
+                    "x-hetero-gateway-prompt-tokens",
+                ]
             )
         )
     )

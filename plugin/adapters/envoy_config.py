@@ -31,7 +31,7 @@ from plugin.adapters.steering import (
     TARGET_POD_HEADER,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
-from plugin.config import MAX_MESSAGE_BYTES
+from plugin.config import ENVOY_MESSAGE_TIMEOUT_S, MAX_MESSAGE_BYTES
 
 MAX_MESSAGE_ENV = MAX_MESSAGE_BYTES.name
 
@@ -100,7 +100,7 @@ class EnvoyOptions:
     extproc_port: int = 50052
     # Envoy's default is 200 ms: a slower reply (the SLO queue holds requests inside the server)
     # becomes a 504. AIBrix uses 60 s.
-    message_timeout_s: float = 60.0
+    message_timeout_s: float = ENVOY_MESSAGE_TIMEOUT_S
     # Must equal the plugin's gRPC max message size: a BUFFERED body larger than Envoy's buffer
     # gets 413, and one larger than the gRPC limit breaks the ext_proc stream.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES

@@ -28,7 +28,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from plugin.adapters.steering import DESTINATION_HEADER, LB_METADATA_NAMESPACE, TARGET_POD_HEADER
+from plugin.adapters.steering import (
+    DESTINATION_HEADER,
+    LB_METADATA_NAMESPACE,
+    PROMPT_TOKENS_HEADER,
+    TARGET_POD_HEADER,
+)
 from plugin.core.request import (
     LLM_PATHS,
     MODELS_PATH,
@@ -64,7 +69,7 @@ _WANTED = frozenset(
 # Replies that carry nothing are built once and reused.
 # The steering headers are the plugin's to set: one a client sent is removed on every request,
 # routed or not, so nobody can point Envoy's ORIGINAL_DST cluster at an address of their choice.
-_STEERING_HEADERS = (TARGET_POD_HEADER, DESTINATION_HEADER)
+_STEERING_HEADERS = (TARGET_POD_HEADER, DESTINATION_HEADER, PROMPT_TOKENS_HEADER)
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
@@ -300,6 +305,7 @@ class RoutingProcessor:
                 _header(DESTINATION_HEADER, endpoint),
                 _header("routing-strategy", decision.strategy),
                 _header("x-request-id", decision.request.request_id),
+                _header(PROMPT_TOKENS_HEADER, str(decision.request.prompt_tokens)),
             ]
         )
         metadata = struct_pb2.Struct()
@@ -347,7 +353,10 @@ class RoutingProcessor:
         if decision is None or decision.lease.released:
             return
         tokens = self._tokens
-        decision.lease.release(tokens.output_tokens(), tokens.status, self._router.now())
+        output = tokens.output_tokens()
+        decision.lease.release(output, tokens.status, self._router.now())
+        request = decision.request
+        self._router.completed(request.model, request.prompt_tokens, output, tokens.status)
 
 
 class CountingProcessor:
@@ -358,11 +367,12 @@ class CountingProcessor:
     counting here only credits tokens, once, when the body ends or the stream closes.
     """
 
-    __slots__ = ("_pod", "_router", "_tokens")
+    __slots__ = ("_pod", "_prompt_tokens", "_router", "_tokens")
 
     def __init__(self, router: Router) -> None:
         self._router = router
         self._pod: Pod | None = None
+        self._prompt_tokens = 0
         self._tokens = ResponseTokens()
 
     def handle(self, req: pb.ProcessingRequest) -> None:
@@ -376,7 +386,10 @@ class CountingProcessor:
             for h in req.request_headers.headers.headers:
                 if h.key == TARGET_POD_HEADER:
                     self._pod = self._router.pool.pod_by_endpoint(_value(h))
-                    break
+                elif h.key == PROMPT_TOKENS_HEADER:
+                    text = _value(h)
+                    ok = text.isascii() and text.isdigit() and len(text) < 10
+                    self._prompt_tokens = int(text) if ok else 0
         elif phase == "response_headers" and self._pod is not None:
             self._tokens.status = _status(req.response_headers)
 
@@ -384,7 +397,9 @@ class CountingProcessor:
         pod = self._pod
         self._pod = None  # once
         if pod is not None:
-            self._router.pool.credit_tokens(pod.key, self._tokens.output_tokens())
+            output = self._tokens.output_tokens()
+            self._router.pool.credit_tokens(pod.key, output)
+            self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]

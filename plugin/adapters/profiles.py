@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -33,8 +34,14 @@ class ProfileLoader(ABC):
 
     source = "none"
 
-    def __init__(self, book: ProfileBook, interval_s: float) -> None:
+    def __init__(
+        self,
+        book: ProfileBook,
+        interval_s: float,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
         self.book = book
+        self._on_change = on_change
         self.interval_s = interval_s
         self._bad: dict[str, str] = {}  # key -> why, logged once until it changes
         self.errors_total = 0
@@ -59,6 +66,8 @@ class ProfileLoader(ABC):
         changed = self.book.replace(found)
         if changed:
             log.info("GPU profiles: %d known, changed %s", len(self.book), ", ".join(changed))
+            if self._on_change is not None:
+                self._on_change()  # the pool looks its candidates' profiles up again
 
     @abstractmethod
     async def load_once(self) -> bool:
@@ -82,9 +91,13 @@ class RedisProfiles(ProfileLoader):
     source = "redis"
 
     def __init__(
-        self, book: ProfileBook, settings: RedisSettings, interval_s: float = REFRESH_S
+        self,
+        book: ProfileBook,
+        settings: RedisSettings,
+        interval_s: float = REFRESH_S,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(book, interval_s)
+        super().__init__(book, interval_s, on_change)
         self._client = Redis(
             host=settings.host,
             port=settings.port,
@@ -131,8 +144,14 @@ class DirectoryProfiles(ProfileLoader):
 
     source = "directory"
 
-    def __init__(self, book: ProfileBook, path: str, interval_s: float = REFRESH_S) -> None:
-        super().__init__(book, interval_s)
+    def __init__(
+        self,
+        book: ProfileBook,
+        path: str,
+        interval_s: float = REFRESH_S,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(book, interval_s, on_change)
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"HETERO_GATEWAY_PROFILE_DIR={path!r} is not a directory")

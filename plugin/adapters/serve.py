@@ -120,6 +120,9 @@ class Gateway:
             settings.metrics_max_age_s,
             settings.ejection,
         )
+        # GPU profiles (SLO routing): from the directory when one is set, else from Redis.
+        self.profiles = ProfileBook()
+        self.pool.use_profiles(self.profiles)
         self.router = Router(
             self.pool,
             build_strategies(*settings.strategy_settings()) if strategies is None else strategies,
@@ -138,13 +141,15 @@ class Gateway:
             from plugin.adapters.redis_state import RedisState
 
             self.shared = RedisState(self.pool, settings.redis)
-        # GPU profiles (SLO routing): from the directory when one is set, else from Redis.
-        self.profiles = ProfileBook()
         self.profile_loader: ProfileLoader | None = None
         if settings.profile_dir is not None:
-            self.profile_loader = DirectoryProfiles(self.profiles, settings.profile_dir)
+            self.profile_loader = DirectoryProfiles(
+                self.profiles, settings.profile_dir, on_change=self.pool.profiles_changed
+            )
         elif settings.redis is not None:
-            self.profile_loader = RedisProfiles(self.profiles, settings.redis)
+            self.profile_loader = RedisProfiles(
+                self.profiles, settings.redis, on_change=self.pool.profiles_changed
+            )
         self.health = HealthServicer()
         self.grpc_port = 0
         self.http_port = 0

@@ -5,3 +5,6 @@ Inference Extension's `envoy.lb` / `x-gateway-destination-endpoint` metadata (ov
 TARGET_POD_HEADER = "target-pod"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA_NAMESPACE = "envoy.lb"
+# The routing filter tells the counting filter the request's estimated prompt size, so a counted
+# response teaches the output-length history (SLO routing) what size of request it answered.
+PROMPT_TOKENS_HEADER = "x-hetero-gateway-prompt-tokens"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.profile import GpuProfile, ProfileBook
 from plugin.core.types import Candidate, EngineMetrics, Pod
 from plugin.core.view import CandidateView
 from plugin.errors import NoReadyPod, UnknownModel
@@ -33,14 +34,15 @@ __all__ = ["Lease", "PodPool"]
 
 
 class Lease:
-    """One routed request's hold on a pod's in-flight slot."""
+    """One routed request's hold on a pod's in-flight slot (and its share of the pod's load)."""
 
-    __slots__ = ("_pool", "key", "pod", "released")
+    __slots__ = ("_pool", "key", "load", "pod", "released")
 
-    def __init__(self, pool: PodPool, pod: Pod) -> None:
+    def __init__(self, pool: PodPool, pod: Pod, load: float = 0.0) -> None:
         self._pool = pool
         self.pod = pod
         self.key = pod.key
+        self.load = load
         self.released = False
 
     def release(self, output_tokens: int = 0, status: int = 0, now: float | None = None) -> bool:
@@ -51,7 +53,7 @@ class Lease:
         if self.released:
             return False
         self.released = True
-        self._pool._on_release(self.pod, output_tokens, status, now)
+        self._pool._on_release(self, output_tokens, status, now)
         return True
 
 
@@ -107,11 +109,13 @@ class PodPool:
         "_ejection",
         "_health",
         "_inflight",
+        "_load",
         "_metrics",
         "_metrics_max_age_s",
         "_models",
         "_peak_running",
         "_pods",
+        "_profiles",
         "_remote",
         "_routed",
         "_saturation",
@@ -141,8 +145,10 @@ class PodPool:
         self._by_model: dict[str, list[Pod]] = {}
         self._by_endpoint: dict[str, Pod] = {}
         self._models: dict[str, _Model] = {}
+        self._profiles: ProfileBook | None = None  # GPU profiles by deployment (SLO routing)
         self._slot: dict[str, tuple[_Model, int]] = {}  # pod key -> its model, its position
         self._inflight: dict[str, int] = {}
+        self._load: dict[str, float] = {}  # summed Lease.load of this gateway's requests
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
         self._saturation: dict[str, tuple[int, float]] = {}  # key -> (cap, last confirmed)
@@ -214,7 +220,28 @@ class PodPool:
             None,
             self._capacity.estimate(key),
             self.saturation(key),
+            self._load.get(key, 0.0),
+            self._profile_of(pod),
         )
+
+    def _profile_of(self, pod: Pod) -> GpuProfile | None:
+        book = self._profiles
+        return None if book is None else book.lookup(pod.model, pod.deployment)
+
+    def use_profiles(self, book: ProfileBook) -> None:
+        """Read candidates' GPU profiles from `book`; call `profiles_changed` after it changes."""
+        self._profiles = book
+        self.profiles_changed()
+
+    def profiles_changed(self) -> None:
+        """The profile book changed: every candidate's `profile` is looked up again."""
+        for state in self._models.values():
+            for order, candidate in enumerate(state.view.slots):
+                profile = self._profile_of(candidate.pod)
+                if profile is not candidate.profile:
+                    candidate.profile = profile
+                    state.view.changed(order)
+        self._changed()
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -293,16 +320,21 @@ class PodPool:
             state, order = slot
             candidate = state.view.slots[order]
             running = self._inflight.get(key, 0) + self._remote.get(key, 0)
-            if candidate.running != running:
+            load = self._load.get(key, 0.0)
+            if candidate.running != running or candidate.load != load:
                 candidate.running = running
+                candidate.load = load
                 state.view.changed(order)
 
-    def acquire(self, pod: Pod) -> Lease:
+    def acquire(self, pod: Pod, load: float = 0.0) -> Lease:
+        """Take an in-flight slot on `pod`; `load` is the request's share of it (SLO routing)."""
         key = pod.key
         self._inflight[key] = self._inflight.get(key, 0) + 1
         self._routed[key] = self._routed.get(key, 0) + 1
+        if load:
+            self._load[key] = self._load.get(key, 0.0) + load
         self._running_changed(key)
-        return Lease(self, pod)
+        return Lease(self, pod, load)
 
     def pod_by_endpoint(self, endpoint: str) -> Pod | None:
         """The pod behind a `target-pod` IP:PORT (the counting filter knows only that)."""
@@ -320,13 +352,17 @@ class PodPool:
         else:
             self._capacity.add_tokens(key, tokens)
 
-    def _on_release(self, pod: Pod, output_tokens: int, status: int, now: float | None) -> None:
+    def _on_release(self, lease: Lease, output_tokens: int, status: int, now: float | None) -> None:
+        pod = lease.pod
         key = pod.key
         left = self._inflight.get(key, 0) - 1
         if left > 0:
             self._inflight[key] = left
+            if lease.load:
+                self._load[key] = max(0.0, self._load.get(key, 0.0) - lease.load)
         else:
             self._inflight.pop(key, None)
+            self._load.pop(key, None)  # nothing in flight: exactly 0, whatever the float sums
         self._running_changed(key)
         if key in self._pods:  # else removed while in flight: do not resurrect its state
             if output_tokens > 0:
@@ -495,6 +531,10 @@ class PodPool:
         """Requests this gateway has in flight on the pod."""
         return self._inflight.get(key, 0)
 
+    def load(self, key: str) -> float:
+        """Summed share of the pod this gateway's requests take (SLO routing's accounting)."""
+        return self._load.get(key, 0.0)
+
     def remote_inflight(self, key: str) -> int:
         """Requests other gateways have in flight on the pod, as last synced."""
         return self._remote.get(key, 0)
@@ -534,6 +574,7 @@ class PodPool:
                 "deployment": pod.deployment,
                 "inflight": self.inflight(key),
                 "inflight_remote": self.remote_inflight(key),
+                "load": round(self.load(key), 6),
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
                 "capacity_tokens_per_s": self.capacity(key),

@@ -17,12 +17,13 @@ and waiting is the adapter's business. `docs/architecture.md` draws the whole pa
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from plugin.core.pool import Lease, PodPool
-from plugin.core.strategies import Reject, Route, Strategy, Wait
+from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait
 from plugin.core.types import Pod, RequestInfo
 from plugin.errors import RequestError, RoutingFailed, UnknownStrategy
 
@@ -48,6 +49,7 @@ class Waiter:
         "deadline",
         "notify",
         "on_timeout",
+        "priority",
         "request",
         "strategy",
     )
@@ -60,6 +62,7 @@ class Waiter:
         self.strategy = strategy
         self.deadline = wait.deadline
         self.on_timeout = wait.timeout_error()
+        self.priority = wait.priority
         self._decision: Decision | None = None
         self._error: RequestError | None = None
         self._taken = False
@@ -102,7 +105,16 @@ def _nothing() -> None:
 class Router:
     """Chooses a pod for a request with the named (or default) strategy."""
 
-    __slots__ = ("_clock", "_default", "_rng", "_strategies", "_waiting", "_waking", "pool")
+    __slots__ = (
+        "_clock",
+        "_default",
+        "_rng",
+        "_strategies",
+        "_waiting",
+        "_waking",
+        "history",
+        "pool",
+    )
 
     def __init__(
         self,
@@ -111,6 +123,7 @@ class Router:
         default_strategy: str,
         rng: random.Random,
         clock: Callable[[], float],
+        history: OutputHistory | None = None,
     ) -> None:
         if default_strategy not in strategies:
             raise ValueError(f"unknown default strategy {default_strategy}")
@@ -121,11 +134,18 @@ class Router:
         self._clock = clock
         self._waiting: dict[str, list[Waiter]] = {}  # model -> waiters in arrival order
         self._waking: set[str] = set()  # models being woken (no re-entry)
+        # Completed requests' sizes, for the strategies that predict output length (SLO).
+        self.history = history or OutputHistory()
         pool.on_release = self._on_release
         pool.on_change = self.wake
 
     def now(self) -> float:
         return self._clock()
+
+    def completed(self, model: str, prompt_tokens: int, output_tokens: int, status: int) -> None:
+        """A response ended: a successful one teaches the output-length history."""
+        if status == 200 and output_tokens > 0:
+            self.history.record(model, prompt_tokens, output_tokens, self._clock())
 
     def strategy_for(self, header: str | None) -> Strategy:
         """The `routing-strategy` header's strategy, else the default; unknown -> 400."""
@@ -138,11 +158,25 @@ class Router:
         return strategy
 
     def admit(self, request: RequestInfo, strategy: Strategy) -> Decision | Waiter:
-        """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error."""
+        """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error.
+
+        A strategy that `needs_profiles` (SLO routing) hands a model none of whose pods has a
+        GPU profile to the default strategy (or, if that needs them too, to least-request).
+        """
         now = self._clock()
-        answer = strategy.admit(self.pool.candidates(request.model, now), request, self._rng, now)
+        candidates = self.pool.candidates(request.model, now)
+        asked = strategy  # the name the client sees echoed, whoever routes
+        if getattr(strategy, "needs_profiles", False):
+            if not any(c.profile is not None for c in candidates):
+                strategy = self._without_profiles()
+            else:
+                predicted = self.history.predict(request.model, request.prompt_tokens, now)
+                if predicted is not None:
+                    request = dataclasses.replace(request, predicted_output_tokens=predicted)
+        answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
-            return Decision(self.pool.acquire(answer.candidate.pod), strategy.name, request)
+            lease = self.pool.acquire(answer.candidate.pod, answer.load)
+            return Decision(lease, asked.name, request)
         if type(answer) is Reject:
             raise answer.error
         if type(answer) is Wait:
@@ -150,6 +184,12 @@ class Router:
             self._waiting.setdefault(request.model, []).append(waiter)
             return waiter
         raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+
+    def _without_profiles(self) -> Strategy:
+        default = self._strategies[self._default]
+        if getattr(default, "needs_profiles", False):
+            return self._strategies["least-request"]
+        return default
 
     def route(self, request: RequestInfo, strategy: Strategy) -> Decision:
         """Admit for a caller that cannot wait (the simulator): a `Wait` is a routing failure."""
@@ -195,7 +235,8 @@ class Router:
             return
         self._waking.add(model)
         try:
-            for waiter in list(queue):
+            # Highest priority first; sorted() is stable, so equal priorities go oldest first.
+            for waiter in sorted(queue, key=lambda w: -w.priority):
                 if not waiter.done:
                     self._ask(waiter, final=False)
         finally:
@@ -213,13 +254,14 @@ class Router:
             return
         if type(answer) is Route:
             self._forget(waiter)
-            lease = self.pool.acquire(answer.candidate.pod)
+            lease = self.pool.acquire(answer.candidate.pod, answer.load)
             waiter._settle(Decision(lease, strategy.name, waiter.request), None)
         elif type(answer) is Reject:
             self._forget(waiter)
             waiter._settle(None, answer.error)
         elif type(answer) is Wait:
             waiter.on_timeout = answer.timeout_error()
+            waiter.priority = answer.priority
             if answer.deadline > now or not final:
                 waiter.deadline = answer.deadline
             else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from plugin.core.profile import GpuProfile
+
 
 @dataclass(frozen=True, slots=True)
 class Pod:
@@ -57,6 +59,11 @@ class Candidate:
     # Requests the engine runs at once when it starts queueing (its batch cap as observed);
     # None until a scrape has shown the engine queueing.
     saturation: int | None = None
+    # Share of the pod this gateway's requests take by their strategies' accounting (SLO
+    # routing: 1.0 is full); 0 when no strategy accounts for load.
+    load: float = 0.0
+    # The GPU profile of the pod's deployment, None without one (`plugin.core.profile`).
+    profile: GpuProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +94,6 @@ class RequestInfo:
     max_tokens: int | None = None
     slo: SloTarget | None = None
     arrived_at: float = 0.0
+    # Output tokens the model's recent completions predict for a prompt of this size (the
+    # router fills it in from its history; None without history).
+    predicted_output_tokens: int | None = None

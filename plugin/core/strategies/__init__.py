@@ -5,7 +5,7 @@ strategies and registers them on import. Adding one: a module here, imported bel
 (`docs/architecture.md`).
 """
 
-from plugin.core.strategies import load_balance, simple
+from plugin.core.strategies import load_balance, simple, slo
 from plugin.core.strategies.base import (
     Admission,
     Picker,
@@ -25,14 +25,17 @@ from plugin.core.strategies.load_balance import (
     load_balance_scores,
     with_room,
 )
+from plugin.core.strategies.slo import OutputHistory, SloSettings
 
 __all__ = [
     "Admission",
     "LoadBalance",
     "LoadBalanceSettings",
+    "OutputHistory",
     "Picker",
     "Reject",
     "Route",
+    "SloSettings",
     "Strategy",
     "Wait",
     "build_strategies",
@@ -42,6 +45,7 @@ __all__ = [
     "register_strategy",
     "settings_type",
     "simple",
+    "slo",
     "strategy_names",
     "with_room",
 ]

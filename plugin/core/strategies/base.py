@@ -43,9 +43,11 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Admit now, to this candidate."""
+    """Admit now, to this candidate. `load` is the share of the pod the request takes, for
+    strategies that account for it (`Candidate.load` sums it over the pod's requests)."""
 
     candidate: Candidate
+    load: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,8 @@ class Wait:
 
     deadline: float
     on_timeout: RequestError | None = None
+    # Waiting requests of a model are asked again highest priority first (ties: oldest first).
+    priority: float = 0.0
 
     def timeout_error(self) -> RequestError:
         return self.on_timeout or RoutingFailed("no replica could take the request in time")

@@ -1,0 +1,269 @@
+"""SLO routing (AIBrix's `slo` family): GPU profiles say what each deployment sustains per request
+size; a request goes where it fits within its SLO, or waits at the gateway until it does.
+
+For one request and one pod:
+
+- **Size.** Prompt tokens as `RequestInfo` estimates them; output tokens as the router predicts
+  them from the model's recent completions (`OutputHistory`: the most frequent log2 output
+  bucket among completions with the same log2 input bucket in the last 240 s, else among all of
+  them), capped by `max_tokens`; with no history, `max_tokens`; with neither, the profiles'
+  smallest output tick (the shortest answer they describe).
+- **Cell.** The profile of the pod's deployment (`Candidate.profile`), the cell nearest in log2.
+- **Consumption.** A request uses `1 / (tputs x e2e)` of a pod (Little's law: `tputs x e2e` is
+  how many such requests the pod serves at once within the SLO); a pod is full at 1.0. `tputs`
+  0 means this GPU type never meets the SLO at that size.
+- **Target and expectation**, in AIBrix's order of SLOs: the request's `x-slo-tpot-ms` or
+  `x-slo-ttft-ms` when it sends one, else the profile's first SLO of TPOT, TTFT, TPAT, E2E; the
+  expected latency is the profile's (E2E and TTFT from its grids; TPOT and TPAT as E2E shares).
+  `target - expected` is the longest the request may wait and still make it.
+
+Strategies (never blended with others):
+
+- `slo-least-load-pulling` and `slo`: the least loaded pod with room; with none, the request
+  waits at the gateway (most urgent first: waited + expected - target) until a lease ends and
+  frees room, or is rejected (503) as soon as its SLO can no longer be met;
+- `slo-least-load`: the least loaded pod that can serve the size, room ignored;
+- `slo-pack-load`: the fullest pod that still has room (fewer pods busy); with none, the least
+  loaded, as `slo-least-load`.
+
+A request no GPU type can serve within its SLO (every profiled pod at `tputs` 0) is rejected at
+once. Pods without a profile are not candidates while some pod of the model has one; a model
+with none at all is routed by the gateway's default strategy (the router does that).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plugin.core.profile import GpuProfile
+from plugin.core.strategies.base import (
+    Admission,
+    Reject,
+    Route,
+    Strategy,
+    Wait,
+    register_strategy,
+    require_candidates,
+)
+from plugin.core.strategies.simple import random_min
+from plugin.core.types import Candidate, RequestInfo
+from plugin.errors import RoutingFailed
+
+__all__ = [
+    "HISTORY_WINDOW_S",
+    "OutputHistory",
+    "SloFit",
+    "SloSettings",
+    "SloStrategy",
+    "fit",
+]
+
+HISTORY_WINDOW_S = 240.0
+ROOM = 1.0 + 1e-9  # a pod is full at 1.0 (the epsilon absorbs float sums of consumptions)
+
+
+def _bucket(tokens: int) -> int:
+    return round(math.log2(tokens)) if tokens > 0 else 0
+
+
+class OutputHistory:
+    """Completed requests per model over the last 240 s, counted by (input bucket, output
+    bucket) as they arrive and leave the window, so a prediction costs O(buckets)."""
+
+    __slots__ = ("_counts", "_entries", "window_s")
+
+    def __init__(self, window_s: float = HISTORY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._entries: dict[str, deque[tuple[float, int, int]]] = {}
+        self._counts: dict[str, dict[int, Counter[int]]] = {}  # model -> input -> outputs
+
+    def record(self, model: str, prompt_tokens: int, output_tokens: int, now: float) -> None:
+        if output_tokens <= 0:
+            return
+        entry = (now, _bucket(prompt_tokens), _bucket(output_tokens))
+        self._entries.setdefault(model, deque()).append(entry)
+        self._counts.setdefault(model, {}).setdefault(entry[1], Counter())[entry[2]] += 1
+        self._trim(model, now)
+
+    def _trim(self, model: str, now: float) -> None:
+        entries = self._entries.get(model)
+        if not entries:
+            return
+        counts = self._counts[model]
+        horizon = now - self.window_s
+        while entries and entries[0][0] < horizon:
+            _, inp, out = entries.popleft()
+            by_out = counts[inp]
+            by_out[out] -= 1
+            if by_out[out] <= 0:
+                del by_out[out]
+                if not by_out:
+                    del counts[inp]
+
+    def predict(self, model: str, prompt_tokens: int, now: float) -> int | None:
+        """Output tokens most often seen for this input size lately (2 ** the modal bucket;
+        ties to the longer), or over all sizes; None without history."""
+        if model not in self._entries:
+            return None
+        self._trim(model, now)
+        counts = self._counts.get(model)
+        if not counts:
+            return None
+        same = counts.get(_bucket(prompt_tokens))
+        if not same:
+            same = Counter()
+            for by_out in counts.values():
+                same.update(by_out)
+        best = max(same.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        return int(2**best)
+
+
+@dataclass(frozen=True, slots=True)
+class SloSettings:
+    """The SLO strategies' own knob (`HETERO_GATEWAY_SLO_MAX_WAIT_MS`)."""
+
+    max_wait_s: float = 30.0  # never hold a request longer (below Envoy's message timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class SloFit:
+    """How one request fits one pod's profile."""
+
+    candidate: Candidate
+    consumption: float  # share of the pod the request takes; inf: never within the SLO
+    slack_s: float  # target - expected latency: how long it may wait and still make it
+
+
+def _target_and_expected(
+    profile: GpuProfile, cell: tuple[int, int], request: RequestInfo, prompt: int, output: int
+) -> tuple[float, float]:
+    i, j = cell
+    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
+    slo = request.slo
+    if slo is not None and slo.tpot_s is not None:
+        return slo.tpot_s, e2e / max(output, 1)
+    if slo is not None and slo.ttft_s is not None:
+        ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
+        return slo.ttft_s, ttft
+    targets = profile.slos
+    if "tpot" in targets:
+        return targets["tpot"], e2e / max(output, 1)
+    if "ttft" in targets and profile.ttft is not None:
+        return targets["ttft"], profile.ttft[i][j]
+    if "tpat" in targets:
+        return targets["tpat"], e2e / max(prompt + output, 1)
+    if "e2e" in targets:
+        return targets["e2e"], e2e
+    return math.inf, e2e  # a profile without SLOs (the older format): no deadline of its own
+
+
+def fit(
+    candidate: Candidate, profile: GpuProfile, request: RequestInfo, output_tokens: int
+) -> SloFit | None:
+    """The request on this pod, or None when its size lies outside the profile's grid."""
+    cell = profile.cell(request.prompt_tokens, output_tokens)
+    if cell is None:
+        return None
+    i, j = cell
+    tput = profile.tputs[i][j]
+    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
+    if tput <= 0:
+        return SloFit(candidate, math.inf, -math.inf)
+    concurrency = tput * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
+    consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / tput  # no e2e: 1 s a request
+    target, expected = _target_and_expected(
+        profile, cell, request, request.prompt_tokens, output_tokens
+    )
+    slack = target - expected if math.isfinite(expected) else target
+    return SloFit(candidate, consumption, slack)
+
+
+class SloStrategy:
+    """One member of the family; `mode` is `pulling`, `least` or `pack`.
+
+    Reads each candidate's `profile` and the request's `predicted_output_tokens`. With no
+    profiled candidate it routes nothing itself: the router uses its default strategy
+    (`needs_profiles`).
+    """
+
+    __slots__ = ("mode", "name", "settings")
+    needs_profiles = True
+
+    def __init__(self, name: str, mode: str, settings: SloSettings) -> None:
+        self.name = name
+        self.mode = mode
+        self.settings = settings
+
+    def _output_tokens(self, request: RequestInfo, profiles: Sequence[GpuProfile]) -> int:
+        predicted = request.predicted_output_tokens
+        if predicted is not None:
+            return min(predicted, request.max_tokens) if request.max_tokens else predicted
+        if request.max_tokens:
+            return request.max_tokens
+        return min(p.out_ticks[0] for p in profiles)
+
+    def admit(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
+    ) -> Admission:
+        require_candidates(candidates)
+        profiled = [(c, c.profile) for c in candidates if c.profile is not None]
+        if not profiled:  # the router routes such a model by its default strategy
+            return Route(random_min(candidates, [(float(c.running),) for c in candidates], rng))
+        output = self._output_tokens(request, [p for _, p in profiled])
+        fits = [f for c, p in profiled if (f := fit(c, p, request, output)) is not None]
+        servable = [f for f in fits if math.isfinite(f.consumption)]
+        if not servable:
+            return Reject(
+                RoutingFailed(
+                    f"no GPU type serving {request.model} can meet the SLO for a request of "
+                    f"{request.prompt_tokens} prompt and about {output} output tokens"
+                )
+            )
+        room = [f for f in servable if f.candidate.load + f.consumption <= ROOM]
+        if self.mode == "least" or (self.mode == "pack" and not room):
+            return self._route(servable, rng, fullest=False)
+        if room:
+            return self._route(room, rng, fullest=self.mode == "pack")
+        # pulling, and no pod has room: wait while the SLO can still be met.
+        slack = max(f.slack_s for f in servable)
+        waited = now - request.arrived_at
+        budget = min(slack, self.settings.max_wait_s)
+        if waited >= budget:
+            return Reject(
+                RoutingFailed(
+                    f"the SLO of this {request.model} request can no longer be met: every "
+                    f"replica that could serve it is full (waited {waited:.2f} s)"
+                )
+            )
+        return Wait(
+            request.arrived_at + budget,
+            RoutingFailed(
+                f"the SLO of this {request.model} request can no longer be met: no replica "
+                f"had room within {budget:.2f} s"
+            ),
+            priority=waited - slack,
+        )
+
+    def _route(self, fits: Sequence[SloFit], rng: random.Random, fullest: bool) -> Route:
+        sign = -1.0 if fullest else 1.0
+        keys = [(sign * f.candidate.load,) for f in fits]
+        chosen = random_min([f.candidate for f in fits], keys, rng)
+        consumption = next(f.consumption for f in fits if f.candidate is chosen)
+        return Route(chosen, load=consumption)
+
+
+def _family(name: str, mode: str) -> None:
+    def factory(settings: SloSettings) -> Strategy:
+        return SloStrategy(name, mode, settings)
+
+    register_strategy(name, SloSettings)(factory)
+
+
+_family("slo-least-load-pulling", "pulling")
+_family("slo", "pulling")
+_family("slo-least-load", "least")
+_family("slo-pack-load", "pack")

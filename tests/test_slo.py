@@ -1,0 +1,207 @@
+"""SLO routing in the core: output prediction, profile fit, load accounting, the three
+strategies and the gateway queue, with a hand-driven clock and no sockets."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import PodPool
+from plugin.core.profile import GpuProfile, ProfileBook, profile_key
+from plugin.core.router import Decision, Router, Waiter
+from plugin.core.strategies import OutputHistory, SloSettings, Strategy, build_strategies
+from plugin.core.strategies.slo import fit
+from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
+from plugin.errors import RoutingFailed
+
+pytestmark = pytest.mark.unit
+
+MODEL = "m"
+
+
+@dataclass
+class Clock:
+    t: float = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def grid_profile(gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0) -> GpuProfile:
+    """Outputs 4 and 512 tokens, input 128; the 512-token cell never meets the SLO."""
+    return GpuProfile(
+        gpu,
+        1.0,
+        (4, 512),
+        (128,),
+        ((tput,), (0.0,)),
+        0.0,
+        ((e2e,), (e2e * 10,)),
+        percentile=99,
+        slos={"e2e": slo_e2e},
+    )
+
+
+def pod(name: str, deployment: str | None) -> Pod:
+    return Pod(name, "ns", MODEL, "10.0.0.1", 8000 + len(name), 8000, deployment=deployment)
+
+
+def setup(
+    *pods: Pod, default: str = "least-request", max_wait_s: float = 30.0
+) -> tuple[Router, PodPool, Clock, ProfileBook]:
+    clock = Clock()
+    pool = PodPool(CapacityEstimator())
+    book = ProfileBook()
+    book.replace(
+        {
+            profile_key(MODEL, "fast"): grid_profile("fast", tput=10.0, e2e=1.0),  # 0.1 each
+            profile_key(MODEL, "slow"): grid_profile("slow", tput=2.0, e2e=1.0),  # 0.5 each
+        }
+    )
+    pool.use_profiles(book)
+    pool.set_pods(pods)
+    strategies = build_strategies(SloSettings(max_wait_s=max_wait_s))
+    router = Router(pool, strategies, default, random.Random(0), clock)
+    return router, pool, clock, book
+
+
+def req(clock: Clock, **kw: object) -> RequestInfo:
+    base: dict[str, object] = {"prompt_tokens": 128, "max_tokens": 4, "arrived_at": clock.t}
+    return RequestInfo(MODEL, **(base | kw))  # type: ignore[arg-type]
+
+
+def strategy(router: Router, name: str) -> Strategy:
+    return router.strategy_for(name)
+
+
+def test_history_predicts_the_modal_output_bucket_of_the_same_input_size() -> None:
+    h = OutputHistory(window_s=240.0)
+    assert h.predict(MODEL, 100, 0.0) is None
+    for out in (60, 64, 70, 500):  # buckets 6, 6, 6, 9
+        h.record(MODEL, 128, out, 0.0)
+    h.record(MODEL, 4000, 8, 0.0)
+    assert h.predict(MODEL, 120, 1.0) == 64
+    assert h.predict(MODEL, 4096, 1.0) == 8
+    assert h.predict(MODEL, 16, 1.0) == 64  # no such input size: all of them
+    h.record(MODEL, 128, 500, 10.0)
+    h.record(MODEL, 128, 510, 10.0)
+    h.record(MODEL, 128, 520, 10.0)
+    assert h.predict(MODEL, 128, 11.0) == 512  # 4 of bucket 9 against 3 of bucket 6
+    assert h.predict(MODEL, 128, 245.0) == 512  # the t=0 ones left the window
+    assert h.predict(MODEL, 128, 260.0) is None
+
+
+def test_fit_consumption_and_slack() -> None:
+    c = Candidate(pod("a", "fast"), 0, None, None, None)
+    profile = grid_profile("fast", tput=10.0, e2e=0.5)
+    f = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128), 4)
+    assert f is not None and f.consumption == pytest.approx(0.2) and f.slack_s == 4.5
+    never = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128), 512)
+    assert never is not None and never.consumption == float("inf")
+    assert fit(c, profile, RequestInfo(MODEL, prompt_tokens=100_000), 4) is None
+    # The request's own TPOT target wins over the profile's E2E target.
+    tpot = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128, slo=SloTarget(tpot_s=0.2)), 4)
+    assert tpot is not None and tpot.slack_s == pytest.approx(0.2 - 0.5 / 4)
+
+
+def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
+    router, pool, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
+    slo = strategy(router, "slo")
+    decisions = [router.admit(req(clock), slo) for _ in range(12)]
+    assert all(isinstance(d, Decision) for d in decisions)
+    assert (pool.inflight("ns/f"), pool.inflight("ns/s")) == (10, 2)
+    assert pool.load("ns/f") == pytest.approx(1.0) and pool.load("ns/s") == pytest.approx(1.0)
+    held = router.admit(req(clock), slo)
+    assert isinstance(held, Waiter) and held.deadline == clock.t + 4.0  # 5 s target - 1 s
+    first = decisions[0]
+    assert isinstance(first, Decision)
+    first.lease.release()  # room again: the held request takes it
+    assert held.done
+    granted = held.result()
+    assert granted.lease.pod.key == first.lease.pod.key and router.waiting() == 0
+    assert decisions[0].strategy == "slo"
+
+
+def test_a_held_request_is_rejected_when_its_slo_runs_out() -> None:
+    router, _, clock, _ = setup(pod("s", "slow"), max_wait_s=2.0)
+    slo = strategy(router, "slo-least-load-pulling")
+    for _ in range(2):
+        assert isinstance(router.admit(req(clock), slo), Decision)
+    held = router.admit(req(clock), slo)
+    assert isinstance(held, Waiter) and held.deadline == clock.t + 2.0  # max wait < slack
+    clock.t += 2.0
+    router.expire(held)
+    with pytest.raises(RoutingFailed, match="can no longer be met"):
+        held.result()
+    late = req(clock, arrived_at=clock.t - 5.0)  # already waited longer than its slack
+    with pytest.raises(RoutingFailed, match="can no longer be met"):
+        router.admit(late, slo)
+
+
+def test_no_gpu_type_can_serve_the_size_is_rejected_at_once() -> None:
+    router, _, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
+    with pytest.raises(RoutingFailed, match="no GPU type"):
+        router.admit(req(clock, max_tokens=500), strategy(router, "slo"))
+
+
+def test_history_drives_the_cell() -> None:
+    router, _, clock, _ = setup(pod("f", "fast"))
+    for _ in range(3):
+        router.completed(MODEL, 128, 500, 200)  # this model answers long
+    with pytest.raises(RoutingFailed, match="no GPU type"):
+        router.admit(req(clock, max_tokens=None), strategy(router, "slo"))
+    # max_tokens caps the prediction: a short request still fits.
+    assert isinstance(router.admit(req(clock, max_tokens=4), strategy(router, "slo")), Decision)
+    router.completed(MODEL, 128, 900, 503)  # failures teach nothing
+    router.completed(MODEL, 128, 0, 200)
+
+
+def test_least_load_ignores_room_and_pack_load_fills_the_fullest() -> None:
+    router, pool, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
+    least, pack = strategy(router, "slo-least-load"), strategy(router, "slo-pack-load")
+    first = router.admit(req(clock), pack)
+    assert isinstance(first, Decision)
+    busy = first.lease.pod.key
+    second = router.admit(req(clock), pack)
+    assert isinstance(second, Decision) and second.lease.pod.key == busy  # the fullest with room
+    for _ in range(20):
+        assert isinstance(router.admit(req(clock), least), Decision)  # room never holds it
+    assert pool.load("ns/f") > 1.0 or pool.load("ns/s") > 1.0
+
+
+def test_the_most_urgent_waiter_goes_first() -> None:
+    router, _, clock, _ = setup(pod("s", "slow"))
+    slo = strategy(router, "slo")
+    leases = [router.admit(req(clock), slo) for _ in range(2)]
+    relaxed = router.admit(req(clock), slo)
+    urgent = router.admit(req(clock, slo=SloTarget(tpot_s=0.3)), slo)  # slack 0.3 - 0.25
+    assert isinstance(relaxed, Waiter) and isinstance(urgent, Waiter)
+    first = leases[0]
+    assert isinstance(first, Decision)
+    first.lease.release()
+    assert urgent.done and not relaxed.done
+
+
+def test_a_model_without_profiles_uses_the_default_strategy() -> None:
+    router, pool, clock, _ = setup(pod("a", None), pod("bb", None), default="round-robin")
+    picks = []
+    for _ in range(4):
+        d = router.admit(req(clock), strategy(router, "slo"))
+        assert isinstance(d, Decision) and d.strategy == "slo"  # the client's name echoed
+        picks.append(d.lease.pod.name)
+    assert picks == ["a", "bb", "a", "bb"]  # round-robin's turn, not least-load's
+    assert pool.load("ns/a") == 0.0
+
+
+def test_released_load_returns_to_zero() -> None:
+    router, pool, clock, _ = setup(pod("f", "fast"))
+    ds = [router.admit(req(clock), strategy(router, "slo")) for _ in range(7)]
+    for d in ds:
+        assert isinstance(d, Decision)
+        d.lease.release()
+    assert pool.load("ns/f") == 0.0
+    (candidate,) = pool.candidates(MODEL, clock.t)
+    assert candidate.load == 0.0 and candidate.profile is not None
