@@ -585,6 +585,13 @@ SLO_MAX_WAIT_MS: Var[int] = Var(
     "SLO strategies: the longest a request waits at the gateway for a replica with room (less if"
     " its SLO runs out first); at most the Envoy ext_proc message timeout (60 s) less 1 s.",
 )
+MAX_WAITING: Var[int] = Var(
+    "HETERO_GATEWAY_MAX_WAITING",
+    Int(ge=1),
+    1000,
+    "Requests a strategy may hold at the gateway per model; one more is rejected at once with"
+    " 503 (`x-error-routing`).",
+)
 DEPLOYMENT_LABEL: Var[str] = Var(
     "AIBRIX_POD_DEPLOYMENT_LABEL",
     LabelKey(),
@@ -667,6 +674,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     K8S_LABEL_SELECTOR,
     GPU_LABEL,
     SLO_MAX_WAIT_MS,
+    MAX_WAITING,
     DEPLOYMENT_LABEL,
     PROFILE_DIR,
     REDIS_HOST,
@@ -703,6 +711,7 @@ class Settings:
     default_strategy: str = ROUTING_ALGORITHM.default
     load_balance: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
     slo: SloSettings = field(default_factory=SloSettings)
+    max_waiting: int = MAX_WAITING.default
     metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
     pods_file: str | None = PODS_FILE.default
@@ -804,6 +813,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         k8s_label_selector=K8S_LABEL_SELECTOR.read(env),
         gpu_label=GPU_LABEL.read(env),
         slo=SloSettings(max_wait_s=SLO_MAX_WAIT_MS.read(env) / 1000.0),
+        max_waiting=MAX_WAITING.read(env),
         deployment_label=DEPLOYMENT_LABEL.read(env),
         profile_dir=PROFILE_DIR.read(env),
         redis=_redis_settings(env),

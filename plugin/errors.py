@@ -105,6 +105,18 @@ class RoutingFailed(RequestError):
     header = ("x-error-routing", "true")
 
 
+class SloUnmeetable(RoutingFailed):
+    """No replica can serve the request within its SLO, now or before its deadline."""
+
+
+class QueueFull(RoutingFailed):
+    """The model's gateway queue holds as many requests as it may (`HETERO_GATEWAY_MAX_WAITING`)."""
+
+
+class ShuttingDown(RoutingFailed):
+    """The gateway is draining: a request it held is answered now, not left to time out."""
+
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "invalid_request_error",

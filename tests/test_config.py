@@ -262,6 +262,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_GPU_LABEL": ("gpu type", "/name"),
     "AIBRIX_POD_DEPLOYMENT_LABEL": ("gpu type", "/name"),
     "HETERO_GATEWAY_SLO_MAX_WAIT_MS": ("0", "59001", "x"),
+    "HETERO_GATEWAY_MAX_WAITING": ("0", "-1", "many"),
     "REDIS_DB": ("-1", "x", "1.5"),
     "REDIS_HOST": ("a b", "redis/0", "redis:6379"),
     "REDIS_PORT": ("0", "65536"),

@@ -862,3 +862,22 @@ async def test_a_malformed_slo_header_is_400(
     assert (error["param"], error["type"]) == (param, "invalid_request_error")
     await stream.finish()
     assert set(_inflight(running).values()) == {0}
+
+
+async def test_shutdown_answers_held_requests_at_once_and_counts_them(holding: Running) -> None:
+    first, _ = await _route(holding)
+    second, _ = await _route(holding)
+    stream, reply = await _held(holding)
+    stopping = asyncio.ensure_future(holding.gateway.stop())
+    async with asyncio.timeout(5.0):  # far below the 30 s the strategy would hold it
+        rejected = await reply
+    assert rejected.immediate_response.status.code == 503
+    assert b"shutting down" in rejected.immediate_response.body
+    await stream.finish()
+    for s in (first, second):  # routed requests still drain normally
+        await s.send(response_headers(200, end_of_stream=True))
+        await s.finish()
+    await stopping
+    waits = holding.gateway.router.waits
+    assert waits.rejections == {"shutting_down": 1} and waits.count[False] == 1
+    assert set(_inflight(holding).values()) == {0}

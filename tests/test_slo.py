@@ -4,20 +4,26 @@ strategies and the gateway queue, with a hand-driven clock and no sockets."""
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
+from plugin.adapters.http import queue_families
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.profile import GpuProfile, ProfileBook, profile_key
-from plugin.core.router import Decision, Router, Waiter
+from plugin.core.router import WAIT_BUCKETS_S, Decision, Router, Waiter, WaitStats
 from plugin.core.strategies import OutputHistory, SloSettings, Strategy, build_strategies
 from plugin.core.strategies.slo import fit
 from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
-from plugin.errors import RoutingFailed
+from plugin.errors import QueueFull, RoutingFailed, ShuttingDown
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.unit  # the metrics test renders text, no sockets
 
 MODEL = "m"
 
@@ -205,3 +211,60 @@ def test_released_load_returns_to_zero() -> None:
     assert pool.load("ns/f") == 0.0
     (candidate,) = pool.candidates(MODEL, clock.t)
     assert candidate.load == 0.0 and candidate.profile is not None
+
+
+def test_the_queue_is_bounded_per_model_and_drains_with_an_answer() -> None:
+    router, _, clock, _ = setup(pod("s", "slow"))
+    router.max_waiting = 2
+    slo = strategy(router, "slo")
+    for _ in range(2):
+        assert isinstance(router.admit(req(clock), slo), Decision)
+    held = [router.admit(req(clock), slo) for _ in range(2)]
+    assert all(isinstance(w, Waiter) for w in held)
+    with pytest.raises(QueueFull):
+        router.admit(req(clock), slo)
+    clock.t += 0.3
+    assert router.reject_waiting(ShuttingDown("bye")) == 2 and router.waiting() == 0
+    for w in held:
+        assert isinstance(w, Waiter)
+        with pytest.raises(ShuttingDown):
+            w.result()
+    waits = router.waits
+    assert waits.rejections == {"queue_full": 1, "shutting_down": 2}
+    assert waits.count == {True: 0, False: 2} and waits.sum_s[False] == pytest.approx(0.6)
+    assert waits.buckets[False][WAIT_BUCKETS_S.index(0.5)] == 2  # cumulative buckets
+    assert waits.buckets[False][WAIT_BUCKETS_S.index(0.25)] == 0
+
+
+def test_queue_metrics_are_valid_prometheus_histograms() -> None:
+    waits = WaitStats()
+    waits.observe(0.03, routed=True)
+    waits.observe(7.0, routed=False)
+    waits.rejected("slo_unmeetable")
+
+    class One(Collector):
+        def collect(self) -> Iterator[Metric]:
+            return queue_families(waits)
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in families["hetero_gateway_wait_seconds"].samples
+    }
+    assert (
+        samples[("hetero_gateway_wait_seconds_bucket", (("le", "0.05"), ("outcome", "routed")))]
+        == 1
+    )
+    assert (
+        samples[("hetero_gateway_wait_seconds_bucket", (("le", "5.0"), ("outcome", "rejected")))]
+        == 0
+    )
+    assert samples[("hetero_gateway_wait_seconds_count", (("outcome", "rejected"),))] == 1
+    rejections = families["hetero_gateway_queue_rejections"].samples
+    assert [(s.labels["reason"], s.value) for s in rejections if s.name.endswith("_total")] == [
+        ("slo_unmeetable", 1.0)
+    ]

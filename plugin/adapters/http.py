@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from plugin.adapters.extproc import ErrorCounts
@@ -21,6 +22,7 @@ from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import DEFAULT_GPU_LABEL
 from plugin.core.pool import PodPool
+from plugin.core.router import WAIT_BUCKETS_S, WaitStats
 
 
 class SharedStateView(Protocol):
@@ -38,6 +40,33 @@ class SharedStateView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+def queue_families(waits: WaitStats) -> Iterator[Metric]:
+    wait = HistogramMetricFamily(
+        "hetero_gateway_wait_seconds",
+        "How long requests held at the gateway waited, by outcome (routed or rejected).",
+        labels=["outcome"],
+    )
+    for routed, outcome in ((True, "routed"), (False, "rejected")):
+        counts = waits.buckets[routed]
+        buckets = [(_bound(b), c) for b, c in zip(WAIT_BUCKETS_S, counts, strict=True)]
+        buckets.append(("+Inf", waits.count[routed]))
+        wait.add_metric([outcome], buckets, waits.sum_s[routed])
+    yield wait
+    rejected = CounterMetricFamily(
+        "hetero_gateway_queue_rejections",
+        "Requests the gateway queue rejected, by reason (slo_unmeetable, queue_full,"
+        " shutting_down, ...).",
+        labels=["reason"],
+    )
+    for reason, count in sorted(waits.rejections.items()):
+        rejected.add_metric([reason], count)
+    yield rejected
+
+
+def _bound(seconds: float) -> str:
+    return repr(float(seconds))
+
+
 class GatewayCollector(Collector):
     def __init__(
         self,
@@ -47,15 +76,17 @@ class GatewayCollector(Collector):
         shared: SharedStateView | None = None,
         gpu_label: str = DEFAULT_GPU_LABEL,
         waiting: Callable[[], Mapping[str, int]] = dict,
+        waits: WaitStats | None = None,
     ) -> None:
         self._pool = pool
         self._waiting = waiting
+        self._waits = waits
         self._errors = errors
         self._scraper = scraper
         self._shared = shared
         self._gpu_label = gpu_label
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         labels = ["pod", "model"]
         routed = CounterMetricFamily(
             "hetero_gateway_routed_requests", "Requests routed to each pod.", labels=labels
@@ -115,6 +146,8 @@ class GatewayCollector(Collector):
         for model in sorted(set(self._pool.models()) | set(counts)):
             held.add_metric([model], counts.get(model, 0))
         yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info, held)
+        if self._waits is not None:
+            yield from queue_families(self._waits)
         if self._shared is not None:
             yield GaugeMetricFamily(
                 "hetero_gateway_shared_state_up",
@@ -168,9 +201,10 @@ def build_app(
     draining: Callable[[], bool] = lambda: False,
     waiting: Callable[[], Mapping[str, int]] = dict,
     profiles: ProfileLoader | None = None,
+    waits: WaitStats | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting))
+    registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting, waits))
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(

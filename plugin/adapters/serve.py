@@ -29,7 +29,7 @@ from plugin.core.profile import ProfileBook
 from plugin.core.router import Router
 from plugin.core.strategies import Strategy, build_strategies
 from plugin.core.types import Pod
-from plugin.errors import ConfigError
+from plugin.errors import ConfigError, ShuttingDown
 
 if TYPE_CHECKING:
     from plugin.adapters.redis_state import RedisState
@@ -129,6 +129,7 @@ class Gateway:
             settings.default_strategy,
             random.Random(),
             time.monotonic,
+            max_waiting=settings.max_waiting,
         )
         self.servicer = ExtProcServicer(self.router)
         self.scraper = MetricsScraper(
@@ -205,6 +206,7 @@ class Gateway:
             draining=lambda: self.draining,
             waiting=self.router.waiting_by_model,
             profiles=self.profile_loader,
+            waits=self.router.waits,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -250,6 +252,11 @@ class Gateway:
         and shared state keeps publishing meanwhile), then stop the background tasks."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
+        # Requests held at the gateway get their answer now (503, retry elsewhere), not Envoy's
+        # message timeout later; requests already routed drain below.
+        held = self.router.reject_waiting(ShuttingDown("the gateway is shutting down; retry"))
+        if held:
+            log.info("answered %d held requests with 503: shutting down", held)
         if self._server is not None:
             if self.pool.loaded and any(self.pool.inflight(p.key) for p in self.pool.pods()):
                 log.info("draining in-flight requests for up to %.0f s", self.settings.drain_s)

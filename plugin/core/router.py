@@ -25,9 +25,41 @@ from dataclasses import dataclass
 from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait
 from plugin.core.types import Pod, RequestInfo
-from plugin.errors import RequestError, RoutingFailed, UnknownStrategy
+from plugin.errors import QueueFull, RequestError, RoutingFailed, UnknownStrategy
 
-__all__ = ["Decision", "Router", "Waiter"]
+__all__ = ["WAIT_BUCKETS_S", "Decision", "Router", "WaitStats", "Waiter"]
+
+WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class WaitStats:
+    """How long held requests waited (a histogram, routed or rejected) and why requests were
+    rejected from the queue: read by /metrics."""
+
+    __slots__ = ("buckets", "count", "rejections", "sum_s")
+
+    def __init__(self) -> None:
+        self.buckets = {routed: [0] * len(WAIT_BUCKETS_S) for routed in (True, False)}
+        self.count = {True: 0, False: 0}
+        self.sum_s = {True: 0.0, False: 0.0}
+        self.rejections: dict[str, int] = {}
+
+    def observe(self, waited_s: float, routed: bool) -> None:
+        self.count[routed] += 1
+        self.sum_s[routed] += waited_s
+        counts = self.buckets[routed]
+        for i, bound in enumerate(WAIT_BUCKETS_S):
+            if waited_s <= bound:
+                counts[i] += 1
+
+    def rejected(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+
+def _reason(error: RequestError | None) -> str:
+    """A rejection's reason label: the error class in snake case (slo_unmeetable, ...)."""
+    name = type(error).__name__ if error is not None else "unknown"
+    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in name).lstrip("_")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +83,7 @@ class Waiter:
         "on_timeout",
         "priority",
         "request",
+        "since",
         "strategy",
     )
 
@@ -63,6 +96,7 @@ class Waiter:
         self.deadline = wait.deadline
         self.on_timeout = wait.timeout_error()
         self.priority = wait.priority
+        self.since = router.now()  # when it started to wait
         self._decision: Decision | None = None
         self._error: RequestError | None = None
         self._taken = False
@@ -113,7 +147,9 @@ class Router:
         "_waiting",
         "_waking",
         "history",
+        "max_waiting",
         "pool",
+        "waits",
     )
 
     def __init__(
@@ -124,6 +160,7 @@ class Router:
         rng: random.Random,
         clock: Callable[[], float],
         history: OutputHistory | None = None,
+        max_waiting: int = 1000,
     ) -> None:
         if default_strategy not in strategies:
             raise ValueError(f"unknown default strategy {default_strategy}")
@@ -136,6 +173,8 @@ class Router:
         self._waking: set[str] = set()  # models being woken (no re-entry)
         # Completed requests' sizes, for the strategies that predict output length (SLO).
         self.history = history or OutputHistory()
+        self.max_waiting = max_waiting  # per model; a request beyond is rejected (QueueFull)
+        self.waits = WaitStats()
         pool.on_release = self._on_release
         pool.on_change = self.wake
 
@@ -180,8 +219,16 @@ class Router:
         if type(answer) is Reject:
             raise answer.error
         if type(answer) is Wait:
+            queue = self._waiting.setdefault(request.model, [])
+            if len(queue) >= self.max_waiting:
+                if not queue:
+                    del self._waiting[request.model]
+                self.waits.rejected("queue_full")
+                raise QueueFull(
+                    f"{len(queue)} {request.model} requests already wait at the gateway"
+                )
             waiter = Waiter(self, request, strategy, answer)
-            self._waiting.setdefault(request.model, []).append(waiter)
+            queue.append(waiter)
             return waiter
         raise TypeError(f"strategy {strategy.name} answered {answer!r}")
 
@@ -218,6 +265,14 @@ class Router:
         for m in [model] if model is not None else list(self._waiting):
             self._wake_model(m)
 
+    def reject_waiting(self, error: RequestError) -> int:
+        """Answer every held request with `error` now (the gateway drains); returns how many."""
+        held = [w for queue in self._waiting.values() for w in queue]
+        for waiter in held:
+            self._forget(waiter)
+            self._settled(waiter, None, error)
+        return len(held)
+
     def expire(self, waiter: Waiter) -> None:
         """The waiter's deadline came: ask once more; a later deadline keeps it waiting, else
         it is rejected with its timeout error."""
@@ -250,15 +305,15 @@ class Router:
             answer = strategy.admit(candidates, waiter.request, self._rng, now)
         except RequestError as err:  # the model lost its pods while the request waited
             self._forget(waiter)
-            waiter._settle(None, err)
+            self._settled(waiter, None, err)
             return
         if type(answer) is Route:
             self._forget(waiter)
             lease = self.pool.acquire(answer.candidate.pod, answer.load)
-            waiter._settle(Decision(lease, strategy.name, waiter.request), None)
+            self._settled(waiter, Decision(lease, strategy.name, waiter.request), None)
         elif type(answer) is Reject:
             self._forget(waiter)
-            waiter._settle(None, answer.error)
+            self._settled(waiter, None, answer.error)
         elif type(answer) is Wait:
             waiter.on_timeout = answer.timeout_error()
             waiter.priority = answer.priority
@@ -266,9 +321,20 @@ class Router:
                 waiter.deadline = answer.deadline
             else:
                 self._forget(waiter)
-                waiter._settle(None, waiter.on_timeout)
+                self._settled(waiter, None, waiter.on_timeout)
         else:
             raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+
+    def _settled(
+        self, waiter: Waiter, decision: Decision | None, error: RequestError | None
+    ) -> None:
+        waited = self._clock() - waiter.since
+        if decision is not None:
+            self.waits.observe(waited, routed=True)
+        else:
+            self.waits.observe(waited, routed=False)
+            self.waits.rejected(_reason(error))
+        waiter._settle(decision, error)
 
     def _forget(self, waiter: Waiter) -> None:
         model = waiter.request.model

@@ -51,7 +51,7 @@ from plugin.core.strategies.base import (
 )
 from plugin.core.strategies.simple import random_min
 from plugin.core.types import Candidate, RequestInfo
-from plugin.errors import RoutingFailed
+from plugin.errors import SloUnmeetable
 
 __all__ = [
     "HISTORY_WINDOW_S",
@@ -218,7 +218,7 @@ class SloStrategy:
         servable = [f for f in fits if math.isfinite(f.consumption)]
         if not servable:
             return Reject(
-                RoutingFailed(
+                SloUnmeetable(
                     f"no GPU type serving {request.model} can meet the SLO for a request of "
                     f"{request.prompt_tokens} prompt and about {output} output tokens"
                 )
@@ -234,14 +234,14 @@ class SloStrategy:
         budget = min(slack, self.settings.max_wait_s)
         if waited >= budget:
             return Reject(
-                RoutingFailed(
+                SloUnmeetable(
                     f"the SLO of this {request.model} request can no longer be met: every "
                     f"replica that could serve it is full (waited {waited:.2f} s)"
                 )
             )
         return Wait(
             request.arrived_at + budget,
-            RoutingFailed(
+            SloUnmeetable(
                 f"the SLO of this {request.model} request can no longer be met: no replica "
                 f"had room within {budget:.2f} s"
             ),
