@@ -52,6 +52,17 @@ class BadRequestHeader(RequestError):
         self.param = name
 
 
+ECHO_LIMIT = 256  # characters of client text an error message repeats
+
+
+def echo(text: str) -> str:
+    """Client text as an error message repeats it: bounded, so a 4 MiB model name gets a small
+    400 (within gRPC's and Envoy's limits) that still shows what was sent."""
+    if len(text) <= ECHO_LIMIT:
+        return text
+    return f"{text[:ECHO_LIMIT]}... ({len(text)} characters)"
+
+
 class NoModel(RequestError):
     """The request names no model."""
 
@@ -72,7 +83,7 @@ class UnknownModel(RequestError):
     param = "model"
 
     def __init__(self, model: str) -> None:
-        super().__init__(f"model {model} does not exist")
+        super().__init__(f"model {echo(model)} does not exist")
         # The name comes from the client: keep the header value printable and short.
         safe = "".join(c for c in model[:128] if " " <= c <= "~") or "invalid"
         self.header = ("x-error-no-model-backends", safe)
@@ -95,7 +106,7 @@ class UnknownStrategy(RequestError):
     header = ("x-error-routing", "true")
 
     def __init__(self, strategy: str) -> None:
-        super().__init__(f"incorrect routing strategy {strategy}")
+        super().__init__(f"incorrect routing strategy {echo(strategy)}")
 
 
 class RoutingFailed(RequestError):

@@ -881,3 +881,19 @@ async def test_shutdown_answers_held_requests_at_once_and_counts_them(holding: R
     waits = holding.gateway.router.waits
     assert waits.rejections == {"shutting_down": 1} and waits.count[False] == 1
     assert set(_inflight(holding).values()) == {0}
+
+
+async def test_a_huge_unknown_model_name_gets_a_small_400(running: Running) -> None:
+    """A name of almost the whole gRPC message limit used to make a reply larger than the
+    plugin's own send limit: 503 with an empty body and a traceback per request."""
+    name = "m" * (4 * 1024 * 1024 - 1024)
+    stream = Stream(running.stub)
+    await stream.send(request_headers())
+    reply = await stream.send(request_body(orjson.dumps({"model": name, "messages": []})))
+    immediate = reply.immediate_response
+    assert immediate.status.code == 400
+    assert len(immediate.body) < 2048
+    message = orjson.loads(immediate.body)["error"]["message"]
+    assert message.endswith(f"... ({len(name)} characters) does not exist")
+    assert len(set_headers(immediate.headers)["x-error-no-model-backends"]) <= 128
+    await stream.finish()

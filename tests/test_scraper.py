@@ -280,6 +280,12 @@ async def fleet(serve: ServeFn, reserved_port: int) -> Fleet:
     return Fleet(pool, scraper, clock, a, b, c, engine_a, engine_b)
 
 
+def _one_pod_scraper(pod: Pod) -> tuple[PodPool, MetricsScraper]:
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([pod])
+    return pool, MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
+
+
 def _by_key(pool: PodPool, now: float) -> dict[str, tuple[float | None, float | None]]:
     return {c.pod.key: (c.waiting, c.kv_usage) for c in pool.candidates(MODEL, now)}
 
@@ -320,9 +326,7 @@ async def test_garbage_body_counts_as_failed_scrape(
 ) -> None:
     engine = await serve(Engine(port=0, body="<html><body>Not Found</body></html>\n"))
     pod = _pod("g", engine.port)
-    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
-    pool.set_pods([pod])
-    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
+    pool, scraper = _one_pod_scraper(pod)
 
     await scraper.tick(http)
 
@@ -454,3 +458,22 @@ async def test_a_large_page_is_read_whole(serve: ServeFn, http: aiohttp.ClientSe
     candidate = pool.candidates(pod.model, clock())[0]
     assert (candidate.running, candidate.waiting, candidate.kv_usage) == (0, 2.0, 0.5)
     assert pool.snapshot(clock())["pods"][pod.key]["engine"]["running"] == 5.0
+
+
+async def test_a_redirect_is_not_followed(
+    serve: ServeFn, serve_app: ServeApp, http: aiohttp.ClientSession
+) -> None:
+    """A /metrics answering 302 must not make the gateway fetch the address it names."""
+    target = await serve(Engine(port=0))
+
+    async def redirect(_: web.Request) -> web.Response:
+        raise web.HTTPFound(f"http://127.0.0.1:{target.port}/metrics")
+
+    app = web.Application()
+    app.router.add_get("/metrics", redirect)
+    port = await serve_app(app)
+    pod = _pod("r", port)
+    _, scraper = _one_pod_scraper(pod)
+    await scraper.tick(http)
+    assert target.hits == 0
+    assert scraper.errors_total == {pod.key: 1}

@@ -104,8 +104,8 @@ class EnvoyOptions:
     # Must equal the plugin's gRPC max message size: a BUFFERED body larger than Envoy's buffer
     # gets 413, and one larger than the gRPC limit breaks the ext_proc stream.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    # ext_proc `failure_mode_allow`. With ORIGINAL_DST, failing open cannot route anyway (no
-    # target-pod header: 503 "no healthy upstream"), so fail-closed (503) is the default.
+    # ext_proc `failure_mode_allow`. Refused with ORIGINAL_DST: with the plugin down nothing
+    # strips a client's own target-pod header, which would then pick any address.
     fail_open: bool = False
     upstream_connect_timeout_s: float = 5.0
     # How the plugin sees response chunks to count tokens. "observe": a second ext_proc filter in
@@ -125,6 +125,13 @@ class EnvoyOptions:
             raise ValueError(f"steering must be one of {STEERING_MODES}, got {self.steering!r}")
         if self.steering == "override-host" and not self.endpoints:
             raise ValueError("override-host steering needs the engines' endpoints (IP:PORT)")
+        if self.fail_open and self.steering == "original-dst":
+            raise ValueError(
+                "--fail-open with ORIGINAL_DST steering is unsafe: while the plugin is down, a"
+                " client's own target-pod header would send the request to any address it names."
+                " Fail closed (the default), or fail open with --steering override-host"
+                " --endpoints ..., which can only pick the listed engines"
+            )
         for endpoint in self.endpoints:
             _split_endpoint(endpoint)
         for name in ("listen_host", "admin_host"):

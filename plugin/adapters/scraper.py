@@ -114,8 +114,11 @@ class MetricsScraper:
     async def _scrape(self, session: aiohttp.ClientSession, pod: Pod) -> None:
         url = self._url(pod)
         try:
-            async with session.get(url, timeout=self._timeout) as resp:
-                resp.raise_for_status()
+            # A redirect is not followed: /metrics answering 302 must not make the gateway fetch
+            # whatever address it names every tick.
+            async with session.get(url, timeout=self._timeout, allow_redirects=False) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status} {resp.reason or ''}".rstrip())
                 body = bytearray()
                 async for chunk in resp.content.iter_chunked(64 * 1024):
                     body += chunk
