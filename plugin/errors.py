@@ -75,6 +75,17 @@ class NoModel(RequestError):
         super().__init__("no model in request body")
 
 
+class MethodNotAllowed(RequestError):
+    """An LLM path asked with another method than POST (405, as the OpenAI API answers)."""
+
+    status = 405
+    code = "method_not_allowed"
+    header = ("allow", "POST")
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(f"method {echo(method)} is not allowed on {path}: use POST")
+
+
 class UnknownModel(RequestError):
     """No pod serves the requested model at all."""
 
@@ -131,6 +142,7 @@ class ShuttingDown(RoutingFailed):
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     401: "authentication_error",
     429: "rate_limit_error",
     503: "overloaded_error",

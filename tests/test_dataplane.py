@@ -145,6 +145,25 @@ async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     assert MODEL in [m["id"] for m in doc["data"]]
 
 
+async def test_only_the_openai_paths_reach_an_engine(fleet: LocalFleet) -> None:
+    """An engine's other endpoints are not reachable through the gateway, and an LLM path asked
+    with the wrong method is 405: both OpenAI-shaped JSON, neither touching an engine."""
+    async with aiohttp.ClientSession() as session:
+        for path in ("/metrics", "/v1/load_lora_adapter", "/"):
+            async with session.get(f"{fleet.envoy_url}{path}") as resp:
+                assert resp.status == 404, path
+                assert resp.headers["content-type"] == "application/json"
+                assert "x-mock-engine" not in resp.headers
+                doc = await resp.json()
+                assert doc["error"]["code"] == "not_found"
+        async with session.get(f"{fleet.envoy_url}/v1/chat/completions") as resp:
+            assert resp.status == 405 and resp.headers["allow"] == "POST"
+            assert "x-mock-engine" not in resp.headers
+            assert (await resp.json())["error"]["code"] == "method_not_allowed"
+        async with session.get(f"{fleet.envoy_url}/v1/models") as resp:
+            assert resp.status == 200  # answered by the plugin from discovery
+
+
 async def test_client_cannot_steer_an_unrouted_path(fleet: LocalFleet) -> None:
     engine = fleet.engines[0]
     async with (
@@ -155,9 +174,9 @@ async def test_client_cannot_steer_an_unrouted_path(fleet: LocalFleet) -> None:
             headers={"target-pod": f"127.0.0.1:{engine.port}"},
         ) as resp,
     ):
-        # The plugin removed the client's target-pod: Envoy has no target, nothing reached the
-        # engine (which would have answered 404 with its x-mock-engine header).
-        assert resp.status == 503
+        # Not an OpenAI path the gateway serves: Envoy's own 404, and the client's target-pod
+        # steered nothing (the engine would have answered with its x-mock-engine header).
+        assert resp.status == 404
         assert "x-mock-engine" not in resp.headers
 
 

@@ -28,7 +28,7 @@ import yaml
 from plugin.adapters.envoy_config import ORIGINAL_DST_CLUSTER, EnvoyOptions, render_bootstrap
 from plugin.adapters.steering import LB_METADATA_NAMESPACE, TARGET_POD_HEADER
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES, ENV_VARS, Settings, load_settings
-from plugin.core.request import LLM_PATHS
+from plugin.core.request import LLM_PATHS, MODELS_PATH
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.component
@@ -666,7 +666,9 @@ def test_route_rule_zero_holds_exactly_the_paths_the_plugin_routes(render: Kusto
     }
     # The whole streamed answer must fit: no route deadline (the idle timeout ends dead streams).
     assert duration_s(llm_rule["timeouts"]["request"]) == 0
-    assert rest["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    # The only other path is the model list, which the plugin answers: an engine's own endpoints
+    # are not reachable through the gateway.
+    assert rest["matches"] == [{"method": "GET", "path": {"type": "Exact", "value": MODELS_PATH}}]
     assert llm_rule["backendRefs"] == rest["backendRefs"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,21 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
         "use_http_header": True,
         "http_header_name": "target-pod",
     }
-    route = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"][0]
-    assert route["match"] == {"prefix": "/"}
+    routes = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"]
+    route = routes[0]
+    assert route["match"] == {"path": "/v1/chat/completions"}
     assert route["route"]["cluster"] == ec.ORIGINAL_DST_CLUSTER
     assert route["route"]["timeout"] == "0s"  # the whole streamed answer must not be cut
+    # Only the OpenAI paths reach a cluster; anything else is Envoy's own OpenAI-shaped 404.
+    assert [r["match"] for r in routes] == [
+        {"path": "/v1/chat/completions"},
+        {"path": "/v1/completions"},
+        {"path": "/v1/models"},
+        {"prefix": "/"},
+    ]
+    not_found = routes[-1]["direct_response"]
+    assert not_found["status"] == 404
+    assert json.loads(not_found["body"]["inline_string"])["error"]["code"] == "not_found"
 
 
 @pytest.mark.parametrize(

@@ -494,11 +494,10 @@ async def test_counting_filter_ignores_failed_responses_and_unknown_pods(
     ("path", "method", "body"),
     [
         ("/healthz", "POST", b'{"model": "m"}'),
-        ("/v1/chat/completions", "GET", None),
         ("/v1/embeddings", "POST", b'{"model": "m", "input": "x"}'),
         ("/v1/models", "POST", b"{}"),
     ],
-    ids=["post-healthz", "get-chat", "post-embeddings", "post-models"],
+    ids=["post-healthz", "post-embeddings", "post-models"],
 )
 async def test_other_paths_pass_through_untouched(
     running: Running, path: str, method: str, body: bytes | None
@@ -896,4 +895,16 @@ async def test_a_huge_unknown_model_name_gets_a_small_400(running: Running) -> N
     message = orjson.loads(immediate.body)["error"]["message"]
     assert message.endswith(f"... ({len(name)} characters) does not exist")
     assert len(set_headers(immediate.headers)["x-error-no-model-backends"]) <= 128
+    await stream.finish()
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT"])
+async def test_an_llm_path_with_another_method_is_405(running: Running, method: str) -> None:
+    stream = Stream(running.stub)
+    reply = await stream.send(request_headers(path="/v1/chat/completions", method=method))
+    immediate = reply.immediate_response
+    assert immediate.status.code == 405
+    assert set_headers(immediate.headers)["allow"] == b"POST"
+    error = orjson.loads(immediate.body)["error"]
+    assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
     await stream.finish()

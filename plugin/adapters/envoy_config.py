@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ from plugin.adapters.steering import (
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
 from plugin.config import ENVOY_MESSAGE_TIMEOUT_S, MAX_MESSAGE_BYTES
+from plugin.core.request import LLM_PATHS, MODELS_PATH
 
 MAX_MESSAGE_ENV = MAX_MESSAGE_BYTES.name
 
@@ -289,6 +291,47 @@ def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any
     ]
 
 
+# The OpenAI API paths the gateway serves; every other path gets a 404 from Envoy itself, so an
+# engine's other endpoints (its /metrics, LoRA loading, admin routes) are never reachable through
+# the gateway, in either wiring.
+OPENAI_PATHS = (*sorted(LLM_PATHS), MODELS_PATH)
+NOT_FOUND_BODY = json.dumps(
+    {
+        "error": {
+            "message": "not found: this gateway serves " + ", ".join(OPENAI_PATHS),
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+)
+
+
+def _routes(cluster: str, layout: BenchLayout) -> list[dict[str, Any]]:
+    forward = {
+        "cluster": cluster,
+        # Route timeout counts the whole streamed response (default 15 s cuts long generations
+        # before the usage chunk): disable it and rely on the idle timeout.
+        "timeout": "0s",
+        "idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
+    }
+    if layout.upstream is not None:  # bench: one static upstream, every path
+        return [{"match": {"prefix": "/"}, "route": forward}]
+    return [
+        *({"match": {"path": path}, "route": forward} for path in OPENAI_PATHS),
+        {
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_BODY}},
+            "response_headers_to_add": [
+                {
+                    "header": {"key": "content-type", "value": "application/json"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                }
+            ],
+        },
+    ]
+
+
 def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
     if layout.upstream is not None:
         cluster = BENCH_UPSTREAM_CLUSTER
@@ -309,23 +352,7 @@ def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
         "route_config": {
             "name": "hetero_gateway_routes",
             "virtual_hosts": [
-                {
-                    "name": "llm",
-                    "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {
-                                "cluster": cluster,
-                                # Route timeout counts the whole streamed response (default 15 s
-                                # cuts long generations before the usage chunk): disable it and
-                                # rely on the idle timeout.
-                                "timeout": "0s",
-                                "idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
-                            },
-                        }
-                    ],
-                }
+                {"name": "llm", "domains": ["*"], "routes": _routes(cluster, layout)}
             ],
         },
         "http_filters": _http_filters(opts, layout),

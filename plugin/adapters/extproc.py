@@ -46,7 +46,7 @@ from plugin.core.request import (
 from plugin.core.router import Decision, Router, Waiter
 from plugin.core.types import Pod
 from plugin.core.usage import UsageScanner
-from plugin.errors import BadRequestBody, RequestError, error_reply
+from plugin.errors import BadRequestBody, MethodNotAllowed, RequestError, error_reply
 
 __all__ = [
     "CountingProcessor",
@@ -234,9 +234,11 @@ class RoutingProcessor:
             # No single engine knows every model behind the gateway; the gateway does.
             body = models_list(self._router.pool.serving_models())
             return _immediate(200, body, _JSON_HEADERS, "hetero_gateway_models")
-        if path not in LLM_PATHS or method != "POST":
+        if path not in LLM_PATHS:
             self._passthrough = True
             return _CONTINUE_REQUEST_HEADERS
+        if method != "POST":
+            return self._fail(MethodNotAllowed(method, path))
         if msg.end_of_stream:
             return self._fail(BadRequestBody("request body is empty"))
         return _CONTINUE_REQUEST_HEADERS
