@@ -46,6 +46,7 @@ def grid_profile(gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0) -> Gpu
         ((tput,), (0.0,)),
         0.0,
         ((e2e,), (e2e * 10,)),
+        ((e2e / 10,), (e2e,)),  # TTFT
         percentile=99,
         slos={"e2e": slo_e2e},
     )
@@ -108,9 +109,20 @@ def test_fit_consumption_and_slack() -> None:
     never = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128), 512)
     assert never is not None and never.consumption == float("inf")
     assert fit(c, profile, RequestInfo(MODEL, prompt_tokens=100_000), 4) is None
-    # The request's own TPOT target wins over the profile's E2E target.
-    tpot = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128, slo=SloTarget(tpot_s=0.2)), 4)
-    assert tpot is not None and tpot.slack_s == pytest.approx(0.2 - 0.5 / 4)
+
+    # The request's own target wins over the profile's: waiting does not change TPOT, so a TPOT
+    # the profile meets (0.5 s / 4 tokens) leaves only the gateway's bound, one it misses none.
+    def slack(target: SloTarget) -> float:
+        f = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128, slo=target), 4)
+        assert f is not None
+        return f.slack_s
+
+    assert slack(SloTarget(tpot_s=0.2)) == float("inf")
+    assert slack(SloTarget(tpot_s=0.1)) == float("-inf")
+    assert slack(SloTarget(ttft_s=0.3)) == pytest.approx(0.3 - 0.05)  # the profile's TTFT grid
+    tpat = GpuProfile("t", 1.0, (4,), (128,), ((10.0,),), 0.0, ((0.5,),), slos={"tpat": 0.01})
+    f = fit(c, tpat, RequestInfo(MODEL, prompt_tokens=128), 4)
+    assert f is not None and f.slack_s == pytest.approx((0.01 - 0.5 / 132) * 132)
 
 
 def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
@@ -151,6 +163,9 @@ def test_no_gpu_type_can_serve_the_size_is_rejected_at_once() -> None:
     router, _, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
     with pytest.raises(RoutingFailed, match="no GPU type"):
         router.admit(req(clock, max_tokens=500), strategy(router, "slo"))
+    # Nor a TTFT target below what every GPU type's profile expects (0.1 s).
+    with pytest.raises(RoutingFailed, match="no GPU type"):
+        router.admit(req(clock, slo=SloTarget(ttft_s=0.05)), strategy(router, "slo-least-load"))
 
 
 def test_history_drives_the_cell() -> None:
@@ -183,7 +198,7 @@ def test_the_most_urgent_waiter_goes_first() -> None:
     slo = strategy(router, "slo")
     leases = [router.admit(req(clock), slo) for _ in range(2)]
     relaxed = router.admit(req(clock), slo)
-    urgent = router.admit(req(clock, slo=SloTarget(tpot_s=0.3)), slo)  # slack 0.3 - 0.25
+    urgent = router.admit(req(clock, slo=SloTarget(ttft_s=0.3)), slo)  # slack 0.3 - 0.1
     assert isinstance(relaxed, Waiter) and isinstance(urgent, Waiter)
     first = leases[0]
     assert isinstance(first, Decision)

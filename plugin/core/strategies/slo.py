@@ -12,10 +12,11 @@ For one request and one pod:
 - **Consumption.** A request uses `1 / (tputs x e2e)` of a pod (Little's law: `tputs x e2e` is
   how many such requests the pod serves at once within the SLO); a pod is full at 1.0. `tputs`
   0 means this GPU type never meets the SLO at that size.
-- **Target and expectation**, in AIBrix's order of SLOs: the request's `x-slo-tpot-ms` or
-  `x-slo-ttft-ms` when it sends one, else the profile's first SLO of TPOT, TTFT, TPAT, E2E; the
-  expected latency is the profile's (E2E and TTFT from its grids; TPOT and TPAT as E2E shares).
-  `target - expected` is the longest the request may wait and still make it.
+- **Slack**, in AIBrix's order of SLOs: the request's `x-slo-tpot-ms` or `x-slo-ttft-ms` when
+  it sends one, else the profile's first SLO of TPOT, TTFT, TPAT, E2E, against the profile's
+  expectation (E2E and TTFT from its grids; TPOT and TPAT as shares of E2E): the longest the
+  request may wait and still make it (waiting adds to TTFT and E2E, to TPAT over its tokens, and
+  not to TPOT).
 
 Strategies (never blended with others):
 
@@ -135,30 +136,43 @@ class SloFit:
 
     candidate: Candidate
     consumption: float  # share of the pod the request takes; inf: never within the SLO
-    slack_s: float  # target - expected latency: how long it may wait and still make it
+    slack_s: float  # how long it may wait and still make its SLO (inf: only the gateway's bound)
 
 
-def _target_and_expected(
+def _slack_s(
     profile: GpuProfile, cell: tuple[int, int], request: RequestInfo, prompt: int, output: int
-) -> tuple[float, float]:
+) -> float:
+    """How long the request may still wait at the gateway and meet its SLO (seconds).
+
+    The SLO is the request's own TPOT or TTFT target if it sends one, else the profile's first of
+    TPOT, TTFT, TPAT, E2E (AIBrix's order). Waiting adds to TTFT and E2E one for one, and to TPAT
+    spread over the request's tokens; it does not change TPOT, so a TPOT the profile meets leaves
+    only the gateway's own bound (and one it misses cannot be met at all).
+    """
     i, j = cell
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
+    ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
+
+    def tpot_slack(target: float) -> float:
+        expected = e2e / max(output, 1)
+        return math.inf if not expected > target else -math.inf  # NaN: unknown, not missed
+
     slo = request.slo
     if slo is not None and slo.tpot_s is not None:
-        return slo.tpot_s, e2e / max(output, 1)
+        return tpot_slack(slo.tpot_s)
     if slo is not None and slo.ttft_s is not None:
-        ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
-        return slo.ttft_s, ttft
+        return slo.ttft_s - ttft if math.isfinite(ttft) else slo.ttft_s
     targets = profile.slos
     if "tpot" in targets:
-        return targets["tpot"], e2e / max(output, 1)
-    if "ttft" in targets and profile.ttft is not None:
-        return targets["ttft"], profile.ttft[i][j]
+        return tpot_slack(targets["tpot"])
+    if "ttft" in targets and math.isfinite(ttft):
+        return targets["ttft"] - ttft
     if "tpat" in targets:
-        return targets["tpat"], e2e / max(prompt + output, 1)
+        tokens = max(prompt + output, 1)
+        return (targets["tpat"] - e2e / tokens) * tokens if math.isfinite(e2e) else math.inf
     if "e2e" in targets:
-        return targets["e2e"], e2e
-    return math.inf, e2e  # a profile without SLOs (the older format): no deadline of its own
+        return targets["e2e"] - e2e if math.isfinite(e2e) else targets["e2e"]
+    return math.inf  # a profile without SLOs (the older format): no deadline of its own
 
 
 def fit(
@@ -175,10 +189,7 @@ def fit(
         return SloFit(candidate, math.inf, -math.inf)
     concurrency = tput * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
     consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / tput  # no e2e: 1 s a request
-    target, expected = _target_and_expected(
-        profile, cell, request, request.prompt_tokens, output_tokens
-    )
-    slack = target - expected if math.isfinite(expected) else target
+    slack = _slack_s(profile, cell, request, request.prompt_tokens, output_tokens)
     return SloFit(candidate, consumption, slack)
 
 
@@ -215,7 +226,9 @@ class SloStrategy:
             return Route(random_min(candidates, [(float(c.running),) for c in candidates], rng))
         output = self._output_tokens(request, [p for _, p in profiled])
         fits = [f for c, p in profiled if (f := fit(c, p, request, output)) is not None]
-        servable = [f for f in fits if math.isfinite(f.consumption)]
+        # A pod serves the request within its SLO if its GPU type meets the profile's SLO at
+        # this size (tputs > 0) and the request's own target, if stricter, is not already lost.
+        servable = [f for f in fits if math.isfinite(f.consumption) and f.slack_s >= 0]
         if not servable:
             return Reject(
                 SloUnmeetable(
