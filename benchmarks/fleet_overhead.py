@@ -4,7 +4,8 @@ Three loops run whatever the traffic, and each grows with the pool:
 
 - scraping: one `MetricsScraper` tick over N pods, each answering a page shaped like vLLM's
   /metrics (histograms per model, about 440 lines and 38 KB) from a server in another
-  process on loopback;
+  process on loopback (not the mock engine's page: at 72 lines and 5 KB it would understate
+  what a real engine costs to scrape);
 - discovery: the Kubernetes source's handling of N ADDED events (start-up) and then N MODIFIED
   events (a rolling restart: each pod not ready, then ready again at a new IP), each event
   parsed, the pod list published and `PodPool.set_pods` applied, as the watch thread and the

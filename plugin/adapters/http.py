@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
@@ -41,6 +42,7 @@ class SharedStateView(Protocol):
 
 
 def queue_families(waits: WaitStats) -> Iterator[Metric]:
+    """The gateway queue's wait-time histogram (rejections are request errors, by class)."""
     wait = HistogramMetricFamily(
         "hetero_gateway_wait_seconds",
         "How long requests held at the gateway waited, by outcome (routed or rejected).",
@@ -48,23 +50,11 @@ def queue_families(waits: WaitStats) -> Iterator[Metric]:
     )
     for routed, outcome in ((True, "routed"), (False, "rejected")):
         counts = waits.buckets[routed]
-        buckets = [(_bound(b), c) for b, c in zip(WAIT_BUCKETS_S, counts, strict=True)]
+        bounds = [floatToGoString(b) for b in WAIT_BUCKETS_S]  # type: ignore[no-untyped-call]
+        buckets = [(b, c) for b, c in zip(bounds, counts, strict=True)]
         buckets.append(("+Inf", waits.count[routed]))
         wait.add_metric([outcome], buckets, waits.sum_s[routed])
     yield wait
-    rejected = CounterMetricFamily(
-        "hetero_gateway_queue_rejections",
-        "Requests the gateway queue rejected, by reason (slo_unmeetable, queue_full,"
-        " shutting_down, ...).",
-        labels=["reason"],
-    )
-    for reason, count in sorted(waits.rejections.items()):
-        rejected.add_metric([reason], count)
-    yield rejected
-
-
-def _bound(seconds: float) -> str:
-    return repr(float(seconds))
 
 
 class GatewayCollector(Collector):

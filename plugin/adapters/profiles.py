@@ -44,8 +44,7 @@ class ProfileLoader(ABC):
         self._on_change = on_change
         self.interval_s = interval_s
         self._bad: dict[str, str] = {}  # key -> why, logged once until it changes
-        self.errors_total = 0
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # of the last pass; None while passes succeed
 
     def _parse(self, key: str, raw: bytes | str | None) -> GpuProfile | None:
         try:
@@ -62,16 +61,35 @@ class ProfileLoader(ABC):
             log.info("GPU profile %s is valid again", key)
         return profile
 
-    def _apply(self, found: dict[str, GpuProfile]) -> None:
+    # What a subclass reads from, the errors that mean "the source failed" (not a bad profile).
+    where = ""
+    read_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    @abstractmethod
+    async def read_all(self) -> dict[str, bytes | str | None]:
+        """Every profile document, by AIBrix's key (`aibrix:profile_<model>_<deployment>`)."""
+
+    async def load_once(self) -> bool:
+        """One complete pass; False when the source failed (the book is left as it was)."""
+        try:
+            documents = await self.read_all()
+        except self.read_errors as exc:
+            if self.last_error is None:
+                log.warning(
+                    "reading GPU profiles from %s failed: %r; keeping the last", self.where, exc
+                )
+            self.last_error = repr(exc)
+            return False
+        if self.last_error is not None:
+            log.info("reading GPU profiles from %s recovered", self.where)
+            self.last_error = None
+        found = {k: p for k, raw in documents.items() if (p := self._parse(k, raw)) is not None}
         changed = self.book.replace(found)
         if changed:
             log.info("GPU profiles: %d known, changed %s", len(self.book), ", ".join(changed))
             if self._on_change is not None:
                 self._on_change()  # the pool looks its candidates' profiles up again
-
-    @abstractmethod
-    async def load_once(self) -> bool:
-        """One complete pass; False when it failed (the book is left as it was)."""
+        return True
 
     def status(self) -> dict[str, object]:
         return {"source": self.source, "keys": self.book.keys(), "last_error": self.last_error}
@@ -89,6 +107,7 @@ class RedisProfiles(ProfileLoader):
     """Profiles from Redis keys `aibrix:profile_<model>_<deployment>` (SCAN, then MGET)."""
 
     source = "redis"
+    read_errors = (RedisError, OSError, TimeoutError)
 
     def __init__(
         self,
@@ -106,34 +125,17 @@ class RedisProfiles(ProfileLoader):
             socket_timeout=5.0,
             socket_connect_timeout=5.0,
         )
+        self.where = f"Redis {settings.host}:{settings.port}/{settings.db}"
 
-    async def load_once(self) -> bool:
-        try:
-            keys = [
-                k.decode() if isinstance(k, bytes) else str(k)
-                async for k in self._client.scan_iter(
-                    match=f"{REDIS_PROFILE_PREFIX}*", count=SCAN_COUNT
-                )
-            ]
-            values = await self._client.mget(keys) if keys else []
-        except (RedisError, OSError, TimeoutError) as exc:
-            self.errors_total += 1
-            if self.last_error is None:
-                log.warning(
-                    "reading GPU profiles from Redis failed: %r; keeping the last ones", exc
-                )
-            self.last_error = repr(exc)
-            return False
-        if self.last_error is not None:
-            log.info("reading GPU profiles from Redis recovered")
-            self.last_error = None
-        found = {}
-        for key, raw in zip(keys, values, strict=True):
-            profile = self._parse(key, raw)
-            if profile is not None:
-                found[key] = profile
-        self._apply(found)
-        return True
+    async def read_all(self) -> dict[str, bytes | str | None]:
+        keys = [
+            k.decode() if isinstance(k, bytes) else str(k)
+            async for k in self._client.scan_iter(
+                match=f"{REDIS_PROFILE_PREFIX}*", count=SCAN_COUNT
+            )
+        ]
+        values = await self._client.mget(keys) if keys else []
+        return dict(zip(keys, values, strict=True))
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -153,30 +155,16 @@ class DirectoryProfiles(ProfileLoader):
     ) -> None:
         super().__init__(book, interval_s, on_change)
         self.path = Path(path)
+        self.where = str(path)
         if not self.path.is_dir():
             raise ConfigError(f"HETERO_GATEWAY_PROFILE_DIR={path!r} is not a directory")
 
-    async def load_once(self) -> bool:
-        try:
-            files = await asyncio.to_thread(self._read)
-        except OSError as exc:
-            self.errors_total += 1
-            self.last_error = repr(exc)
-            log.warning("reading GPU profiles from %s failed: %r", self.path, exc)
-            return False
-        self.last_error = None
-        found = {}
-        for (model, deployment), raw in files.items():
-            key = key_of(model, deployment)
-            profile = self._parse(key, raw)
-            if profile is not None:
-                found[key] = profile
-        self._apply(found)
-        return True
+    async def read_all(self) -> dict[str, bytes | str | None]:
+        return await asyncio.to_thread(self._read)
 
-    def _read(self) -> dict[tuple[str, str], bytes]:
+    def _read(self) -> dict[str, bytes | str | None]:
         return {
-            (f.parent.name, f.stem): f.read_bytes()
+            key_of(f.parent.name, f.stem): f.read_bytes()
             for f in sorted(self.path.glob("*/*.json"))
             if f.is_file()
         }

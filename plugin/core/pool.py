@@ -103,7 +103,6 @@ class _Health:
 class PodPool:
     __slots__ = (
         "_by_endpoint",
-        "_by_model",
         "_capacity",
         "_counted",
         "_ejection",
@@ -142,7 +141,6 @@ class PodPool:
         self._health: dict[str, _Health] = {}
         self._metrics_max_age_s = metrics_max_age_s
         self._pods: dict[str, Pod] = {}
-        self._by_model: dict[str, list[Pod]] = {}
         self._by_endpoint: dict[str, Pod] = {}
         self._models: dict[str, _Model] = {}
         self._profiles: ProfileBook | None = None  # GPU profiles by deployment (SLO routing)
@@ -185,7 +183,6 @@ class PodPool:
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
         self._pods = new
-        self._by_model = by_model
         self._by_endpoint = {p.endpoint: p for p in new.values()}
         old_models, self._models = self._models, {}
         self._slot = {}
@@ -251,11 +248,11 @@ class PodPool:
         return list(self._pods.values())
 
     def models(self) -> list[str]:
-        return sorted(self._by_model)
+        return sorted(self._models)
 
     def serving_models(self) -> list[str]:
         """Models with at least one ready pod (what `GET /v1/models` lists)."""
-        return sorted(m for m, pods in self._by_model.items() if any(p.ready for p in pods))
+        return sorted(m for m, state in self._models.items() if state.any_ready)
 
     # request path ----------------------------------------------------------------------------
     def candidates(self, model: str, now: float) -> CandidateView:
@@ -314,7 +311,7 @@ class PodPool:
             candidate.waiting = candidate.kv_usage = None
             state.view.changed(order)
 
-    def _running_changed(self, key: str) -> None:
+    def _inflight_changed(self, key: str) -> None:
         slot = self._slot.get(key)
         if slot is not None:
             state, order = slot
@@ -333,7 +330,7 @@ class PodPool:
         self._routed[key] = self._routed.get(key, 0) + 1
         if load:
             self._load[key] = self._load.get(key, 0.0) + load
-        self._running_changed(key)
+        self._inflight_changed(key)
         return Lease(self, pod, load)
 
     def pod_by_endpoint(self, endpoint: str) -> Pod | None:
@@ -363,7 +360,7 @@ class PodPool:
         else:
             self._inflight.pop(key, None)
             self._load.pop(key, None)  # nothing in flight: exactly 0, whatever the float sums
-        self._running_changed(key)
+        self._inflight_changed(key)
         if key in self._pods:  # else removed while in flight: do not resurrect its state
             if output_tokens > 0:
                 self._credit(key, output_tokens)
@@ -480,7 +477,7 @@ class PodPool:
         old, self._remote = self._remote, {k: v for k, v in counts.items() if v > 0}
         for key in old.keys() | self._remote.keys():
             if old.get(key) != self._remote.get(key):
-                self._running_changed(key)
+                self._inflight_changed(key)
         self._changed()
 
     @property

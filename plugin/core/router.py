@@ -33,16 +33,15 @@ WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class WaitStats:
-    """How long held requests waited (a histogram, routed or rejected) and why requests were
-    rejected from the queue: read by /metrics."""
+    """How long held requests waited, routed or rejected (a histogram read by /metrics). Why
+    they were rejected is in the request-error counts, by error class, like every other error."""
 
-    __slots__ = ("buckets", "count", "rejections", "sum_s")
+    __slots__ = ("buckets", "count", "sum_s")
 
     def __init__(self) -> None:
         self.buckets = {routed: [0] * len(WAIT_BUCKETS_S) for routed in (True, False)}
         self.count = {True: 0, False: 0}
         self.sum_s = {True: 0.0, False: 0.0}
-        self.rejections: dict[str, int] = {}
 
     def observe(self, waited_s: float, routed: bool) -> None:
         self.count[routed] += 1
@@ -51,15 +50,6 @@ class WaitStats:
         for i, bound in enumerate(WAIT_BUCKETS_S):
             if waited_s <= bound:
                 counts[i] += 1
-
-    def rejected(self, reason: str) -> None:
-        self.rejections[reason] = self.rejections.get(reason, 0) + 1
-
-
-def _reason(error: RequestError | None) -> str:
-    """A rejection's reason label: the error class in snake case (slo_unmeetable, ...)."""
-    name = type(error).__name__ if error is not None else "unknown"
-    return "".join("_" + ch.lower() if ch.isupper() else ch for ch in name).lstrip("_")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,16 +209,11 @@ class Router:
         if type(answer) is Reject:
             raise answer.error
         if type(answer) is Wait:
-            queue = self._waiting.setdefault(request.model, [])
-            if len(queue) >= self.max_waiting:
-                if not queue:
-                    del self._waiting[request.model]
-                self.waits.rejected("queue_full")
-                raise QueueFull(
-                    f"{len(queue)} {request.model} requests already wait at the gateway"
-                )
+            held = self.waiting(request.model)
+            if held >= self.max_waiting:
+                raise QueueFull(f"{held} {request.model} requests already wait at the gateway")
             waiter = Waiter(self, request, strategy, answer)
-            queue.append(waiter)
+            self._waiting.setdefault(request.model, []).append(waiter)
             return waiter
         raise TypeError(f"strategy {strategy.name} answered {answer!r}")
 
@@ -328,12 +313,7 @@ class Router:
     def _settled(
         self, waiter: Waiter, decision: Decision | None, error: RequestError | None
     ) -> None:
-        waited = self._clock() - waiter.since
-        if decision is not None:
-            self.waits.observe(waited, routed=True)
-        else:
-            self.waits.observe(waited, routed=False)
-            self.waits.rejected(_reason(error))
+        self.waits.observe(self._clock() - waiter.since, routed=decision is not None)
         waiter._settle(decision, error)
 
     def _forget(self, waiter: Waiter) -> None:

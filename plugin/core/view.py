@@ -77,26 +77,15 @@ class OrderedIndex:
     def min_key(self) -> tuple[float, ...] | None:
         return self._sorted[0][0] if self._entries else None
 
-    def tied_count(self) -> int:
-        """How many members share the smallest key."""
-        if not self._entries:
-            return 0
-        best = self._sorted[0][0]
-        return int(self._sorted.bisect_right((best, math.inf)))
-
     def pick_min(self, rng: random.Random) -> Candidate:
         """A member with the smallest key, ties at random: the same member, drawn the same way,
         as `rng.choice` over the tied candidates in discovery order (no draw for one)."""
-        count = self.tied_count()
-        if count == 0:
+        if not self._entries:
             raise IndexError("empty index")
+        count = int(self._sorted.bisect_right((self._sorted[0][0], math.inf)))  # tied at the min
         i = 0 if count == 1 else rng.choice(range(count))
         order: int = self._sorted[i][1]
         return self._slots[order]
-
-    def ordered(self) -> Iterator[Candidate]:
-        """Members from the smallest key up (for tests and debugging)."""
-        return (self._slots[order] for _, order in self._sorted)
 
 
 class CandidateView(Sequence[Candidate]):
@@ -186,9 +175,6 @@ class CandidateView(Sequence[Candidate]):
             routable = self._routable[order]
             for index in self._indexes.values():
                 index.update(order, routable)
-
-    def routable(self, order: int) -> bool:
-        return self._routable[order]
 
 
 def usable_capacity(capacity: float | None) -> bool:
