@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -22,8 +23,35 @@ import yaml
 from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, bootstrap_yaml, envoy_binary
 from plugin_tools.mock_engine.model import PRESETS, EngineParams, saturated_output_tokens_per_s
 
+_rng = random.SystemRandom()
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel starts handing out source ports for outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on, chosen below the ephemeral range.
+
+    A port the kernel picks for `bind(0)` lies in the ephemeral range, where every outgoing
+    connection (Envoy to an engine, a client to Envoy) also takes its source port; between our
+    check and the child's bind, one of them could take it ("Address already in use"). Ports below
+    that range are only ever taken by someone binding them on purpose.
+    """
+    high = _ephemeral_start()
+    low = max(1024, high - 12000)
+    for _ in range(64):
+        port = _rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
