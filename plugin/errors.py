@@ -127,6 +127,15 @@ class RoutingFailed(RequestError):
     header = ("x-error-routing", "true")
 
 
+class NoMatchingPod(RoutingFailed):
+    """No ready pod of the model matches the request's `external-filter` label selector."""
+
+    def __init__(self, model: str, selector: str) -> None:
+        super().__init__(
+            f"no ready pod of model {echo(model)} matches external-filter {echo(selector)!r}"
+        )
+
+
 class SloUnmeetable(RoutingFailed):
     """No replica can serve the request within its SLO, now or before its deadline."""
 

@@ -908,3 +908,44 @@ async def test_an_llm_path_with_another_method_is_405(running: Running, method: 
     error = orjson.loads(immediate.body)["error"]
     assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
     await stream.finish()
+
+
+async def test_external_filter_header_narrows_the_pods_and_a_bad_one_is_400(
+    tmp_path: Path, reserve_port: Callable[[], int], start_gateway: StartGateway
+) -> None:
+    """AIBrix's `external-filter`: a label selector over the model's pods (its profile sweep
+    measures one GPU type through the gateway with it)."""
+    pods = [
+        Pod(n, "default", MODEL, "127.0.0.1", reserve_port(), 0, labels={"gpu": gpu})
+        for n, gpu in (("a", "a100"), ("b", "l20"))
+    ]
+    pods_file = write_pods_file(tmp_path / "pods.yaml", pods)
+    gateway = await start_gateway(pods_file, SETTINGS_ENV)
+    async for r in _connected(gateway, pods_file):
+        streams = []
+        for _ in range(4):  # least-request would alternate; the filter keeps every one on b
+            stream = Stream(r.stub)
+            await stream.send(
+                request_headers(strategy="least-request", extra={"external-filter": "gpu=l20"})
+            )
+            reply = await stream.send(request_body(CHAT_BODY))
+            target = set_headers(reply.request_body.response.header_mutation)["target-pod"]
+            assert r.key_of(target) == "default/b"
+            streams.append(stream)
+        for stream in streams:
+            await stream.send(response_headers(200))
+            await stream.send(response_body(b"".join(sse_chunks(3)), end_of_stream=True))
+            await stream.finish()
+
+        for selector, status, header in (
+            ("gpu in (a100", 400, "x-error-request-header-processing"),
+            ("gpu=h100", 503, "x-error-routing"),
+        ):
+            stream = Stream(r.stub)
+            await stream.send(request_headers(extra={"external-filter": selector}))
+            immediate = (await stream.send(request_body(CHAT_BODY))).immediate_response
+            assert immediate.status.code == status
+            assert set_headers(immediate.headers)[header] == b"true"
+            assert "external-filter" in orjson.loads(immediate.body)["error"]["message"]
+            await stream.finish()
+        assert set(_inflight(r).values()) == {0}

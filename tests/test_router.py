@@ -6,6 +6,7 @@ Pure: a hand-driven clock, a pool without sockets, strategies written here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Decision, Router, Waiter
+from plugin.core.selector import parse_selector
 from plugin.core.strategies import (
     Admission,
     LoadBalanceSettings,
@@ -28,7 +30,7 @@ from plugin.core.strategies import (
     settings_type,
 )
 from plugin.core.types import Candidate, Pod, RequestInfo
-from plugin.errors import NoReadyPod, RoutingFailed, UnknownModel
+from plugin.errors import NoMatchingPod, NoReadyPod, RoutingFailed, UnknownModel
 
 MODEL = "m"
 
@@ -265,6 +267,42 @@ def test_pickers_always_route() -> None:
         outcome = router.admit(request(), strategy)
         assert isinstance(outcome, Decision) and outcome.strategy == name
     assert pool.inflight("ns/a") + pool.inflight("ns/bb") == len(strategies)
+
+
+def test_an_external_filter_narrows_every_strategy_to_the_matching_pods() -> None:
+    strategies = build_strategies()
+    a100 = dataclasses.replace(pod("a"), labels={"gpu": "a100"})
+    l20 = dataclasses.replace(pod("bb"), labels={"gpu": "l20"})
+    router, pool, _ = setup(strategies["least-request"], a100, l20)
+    only_l20 = dataclasses.replace(request(), pod_selector=parse_selector("gpu=l20"))
+    for strategy in strategies.values():
+        for _ in range(3):  # even once l20 is the busier pod
+            outcome = router.admit(only_l20, strategy)
+            assert isinstance(outcome, Decision) and outcome.lease.pod.name == "bb"
+    assert pool.inflight("ns/a") == 0
+
+
+def test_an_external_filter_nothing_matches_is_a_routing_error_and_takes_nothing() -> None:
+    strategy = Limit()
+    router, pool, _ = setup(strategy, dataclasses.replace(pod("a"), labels={"gpu": "a100"}))
+    nothing = dataclasses.replace(request(), pod_selector=parse_selector("gpu in (h100,l20)"))
+    with pytest.raises(NoMatchingPod) as err:
+        router.admit(nothing, strategy)
+    assert err.value.status == 503 and "gpu in (h100,l20)" in err.value.message
+    assert (pool.inflight("ns/a"), router.waiting()) == (0, 0)
+
+
+def test_a_held_request_keeps_its_external_filter() -> None:
+    strategy = Limit()
+    a100 = dataclasses.replace(pod("a"), labels={"gpu": "a100"})
+    l20 = dataclasses.replace(pod("bb"), labels={"gpu": "l20"})
+    router, pool, _ = setup(strategy, a100, l20)
+    only_a100 = dataclasses.replace(request(), pod_selector=parse_selector("gpu=a100"))
+    first = admitted(router.admit(only_a100, strategy))
+    waiter = held(router.admit(only_a100, strategy))  # bb has room, but the filter rules it out
+    assert pool.inflight("ns/bb") == 0
+    first.release()
+    assert waiter.result().lease.pod.name == "a"
 
 
 def test_each_strategy_gets_its_own_settings() -> None:

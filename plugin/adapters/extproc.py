@@ -44,6 +44,7 @@ from plugin.core.request import (
     parse_slo,
 )
 from plugin.core.router import Decision, Router, Waiter
+from plugin.core.selector import EXTERNAL_FILTER_HEADER, parse_selector
 from plugin.core.types import Pod
 from plugin.core.usage import UsageScanner
 from plugin.errors import BadRequestBody, MethodNotAllowed, RequestError, error_reply
@@ -63,7 +64,15 @@ log = logging.getLogger(__name__)
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON_HEADERS = (("content-type", "application/json"),)
 _WANTED = frozenset(
-    {":path", ":method", "routing-strategy", "x-request-id", SLO_TTFT_HEADER, SLO_TPOT_HEADER}
+    {
+        ":path",
+        ":method",
+        "routing-strategy",
+        "x-request-id",
+        SLO_TTFT_HEADER,
+        SLO_TPOT_HEADER,
+        EXTERNAL_FILTER_HEADER,
+    }
 )
 
 # Replies that carry nothing are built once and reused.
@@ -256,7 +265,11 @@ class RoutingProcessor:
         try:
             strategy = self._router.strategy_for(headers.get("routing-strategy"))
             slo = parse_slo(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER))
-            request = parse_request(body, request_id, arrived_at=self._arrived_at, slo=slo)
+            selector_text = headers.get(EXTERNAL_FILTER_HEADER)
+            selector = parse_selector(selector_text) if selector_text else None
+            request = parse_request(
+                body, request_id, arrived_at=self._arrived_at, slo=slo, pod_selector=selector
+            )
             outcome = self._router.admit(request, strategy)
         except RequestError as err:
             return self._fail(err)

@@ -12,7 +12,8 @@ What is read, and why:
 - `max_completion_tokens` (else `max_tokens`): the most the request can decode. A value that is
   not a positive integer reads as absent; the engine answers for it.
 - SLO headers (`x-slo-ttft-ms`, `x-slo-tpot-ms`: the Gateway API Inference Extension's names),
-  arrival time and request id come from the request's headers phase.
+  AIBrix's `external-filter` label selector (`plugin.core.selector`), arrival time and request
+  id come from the request's headers phase.
 
 Walking the parsed body costs a few microseconds per request; the JSON decode itself (orjson)
 stays the dominant cost, and it is needed anyway to read the model.
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from plugin.core.selector import LabelSelector
 from plugin.core.types import RequestInfo, SloTarget
 from plugin.errors import BadRequestBody, BadRequestHeader, NoModel
 
@@ -150,6 +152,7 @@ def parse_request(
     *,
     arrived_at: float = 0.0,
     slo: SloTarget | None = None,
+    pod_selector: LabelSelector | None = None,
     tokenizer: Tokenizer = DEFAULT_TOKENIZER,
 ) -> RequestInfo:
     """Read what routing needs from an OpenAI-style body; raise the request error otherwise."""
@@ -178,4 +181,5 @@ def parse_request(
         max_tokens,
         slo,
         arrived_at,
+        pod_selector=pod_selector,
     )

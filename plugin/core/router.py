@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait
-from plugin.core.types import Pod, RequestInfo
-from plugin.errors import QueueFull, RequestError, RoutingFailed, UnknownStrategy
+from plugin.core.types import Candidate, Pod, RequestInfo
+from plugin.errors import (
+    NoMatchingPod,
+    QueueFull,
+    RequestError,
+    RoutingFailed,
+    UnknownStrategy,
+)
 
 __all__ = ["WAIT_BUCKETS_S", "Decision", "Router", "WaitStats", "Waiter"]
 
@@ -193,7 +199,7 @@ class Router:
         GPU profile to the default strategy (or, if that needs them too, to least-request).
         """
         now = self._clock()
-        candidates = self.pool.candidates(request.model, now)
+        candidates = self._candidates(request, now)
         asked = strategy  # the name the client sees echoed, whoever routes
         if getattr(strategy, "needs_profiles", False):
             if not any(c.profile is not None for c in candidates):
@@ -216,6 +222,17 @@ class Router:
             self._waiting.setdefault(request.model, []).append(waiter)
             return waiter
         raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+
+    def _candidates(self, request: RequestInfo, now: float) -> Sequence[Candidate]:
+        """The model's candidates, narrowed to those its `external-filter` selector matches."""
+        view = self.pool.candidates(request.model, now)
+        selector = request.pod_selector
+        if selector is None or not selector.requirements:
+            return view
+        chosen = [c for c in view if selector.matches(c.pod.labels)]
+        if not chosen:
+            raise NoMatchingPod(request.model, selector.text)
+        return chosen
 
     def _without_profiles(self) -> Strategy:
         default = self._strategies[self._default]
@@ -286,7 +303,7 @@ class Router:
         now = self._clock()
         strategy = waiter.strategy
         try:
-            candidates = self.pool.candidates(waiter.request.model, now)
+            candidates = self._candidates(waiter.request, now)
             answer = strategy.admit(candidates, waiter.request, self._rng, now)
         except RequestError as err:  # the model lost its pods while the request waited
             self._forget(waiter)

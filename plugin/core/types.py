@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from plugin.core.profile import GpuProfile
+from plugin.core.selector import LabelSelector
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +98,5 @@ class RequestInfo:
     # Output tokens the model's recent completions predict for a prompt of this size (the
     # router fills it in from its history; None without history).
     predicted_output_tokens: int | None = None
+    # AIBrix's `external-filter` header: only pods whose labels match may serve the request.
+    pod_selector: LabelSelector | None = None

@@ -76,6 +76,12 @@ def register_cli(sub: Any) -> None:
         metavar="NAME:VALUE",
         help="extra request header (repeatable), e.g. routing-strategy:least-request",
     )
+    sweep.add_argument(
+        "--external-filter",
+        metavar="SELECTOR",
+        help="through a gateway: measure only the pods this label selector matches, e.g. "
+        "app.kubernetes.io/name=llama-a100 (sent as AIBrix's external-filter header)",
+    )
     sweep.add_argument("--timeout", type=_positive_float, default=600.0, help="per request, s")
     sweep.add_argument("-o", "--output", type=Path, help="JSONL file to append to (default stdout)")
     sweep.add_argument("--dry-run", action="store_true", help="print the plan, send nothing")
@@ -126,7 +132,8 @@ def _sweep(args: argparse.Namespace) -> int:
         rates=doubling(args.rate_start, args.rate_limit),
         prompts=args.prompts,
         seed=args.seed,
-        headers=dict(args.header),
+        headers=dict(args.header)
+        | ({"external-filter": args.external_filter} if args.external_filter else {}),
         timeout_s=args.timeout,
     )
     print(describe(plan), file=sys.stderr)
