@@ -3,6 +3,7 @@ strategies and the gateway queue, with a hand-driven clock and no sockets."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,6 +142,19 @@ def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
     granted = held.result()
     assert granted.lease.pod.key == first.lease.pod.key and router.waiting() == 0
     assert decisions[0].strategy == "slo"
+
+
+def test_an_idle_pod_takes_a_request_whose_consumption_exceeds_one() -> None:
+    """A profile whose best passing rate was low (tputs x e2e < 1) must not keep a request off
+    an empty pod forever: an idle pod always has room, a busy one has none for it."""
+    router, pool, clock, book = setup(pod("s", "slow"))
+    low = dataclasses.replace(grid_profile("slow", tput=0.5, e2e=1.0), created=1.0)  # newer
+    book.replace({profile_key(MODEL, "slow"): low})
+    pool.profiles_changed()
+    slo = strategy(router, "slo")
+    first = router.admit(req(clock), slo)
+    assert isinstance(first, Decision) and pool.load("ns/s") == pytest.approx(2.0)
+    assert isinstance(router.admit(req(clock), slo), Waiter)
 
 
 def test_a_held_request_is_rejected_when_its_slo_runs_out() -> None:

@@ -10,7 +10,8 @@ For one request and one pod:
   smallest output tick (the shortest answer they describe).
 - **Cell.** The profile of the pod's deployment (`Candidate.profile`), the cell nearest in log2.
 - **Consumption.** A request uses `1 / (tputs x e2e)` of a pod (Little's law: `tputs x e2e` is
-  how many such requests the pod serves at once within the SLO); a pod is full at 1.0. `tputs`
+  how many such requests the pod serves at once within the SLO); a pod is full at 1.0, and an
+  idle pod always has room (a consumption above 1 only means one request at a time). `tputs`
   0 means this GPU type never meets the SLO at that size.
 - **Slack**, in AIBrix's order of SLOs: the request's `x-slo-tpot-ms` or `x-slo-ttft-ms` when
   it sends one, else the profile's first SLO of TPOT, TTFT, TPAT, E2E, against the profile's
@@ -236,7 +237,11 @@ class SloStrategy:
                     f"{request.prompt_tokens} prompt and about {output} output tokens"
                 )
             )
-        room = [f for f in servable if f.candidate.load + f.consumption <= ROOM]
+        # An idle pod always has room: a profile whose best passing rate was low gives a request
+        # a consumption above 1 (tputs x e2e < 1), which must not keep it off an empty pod.
+        room = [
+            f for f in servable if f.candidate.load + f.consumption <= ROOM or f.candidate.load <= 0
+        ]
         if self.mode == "least" or (self.mode == "pack" and not room):
             return self._route(servable, rng, fullest=False)
         if room:
