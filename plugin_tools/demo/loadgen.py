@@ -24,6 +24,7 @@ __all__ = [
     "LengthDist",
     "Workload",
     "arrival_times",
+    "prompt_text",
     "run_open_loop",
 ]
 
@@ -128,7 +129,8 @@ def _plan(workload: Workload) -> list[_Planned]:
     ]
 
 
-def _prompt(words: int) -> str:
+def prompt_text(words: int) -> str:
+    """The prompt of `words` words the load generator sends (its size is what matters)."""
     return " ".join(_VOCAB[i % len(_VOCAB)] for i in range(words))
 
 
@@ -187,7 +189,7 @@ async def _one_request(
     body = orjson.dumps(
         {
             "model": model,
-            "messages": [{"role": "user", "content": _prompt(planned.prompt_words)}],
+            "messages": [{"role": "user", "content": prompt_text(planned.prompt_words)}],
             "max_tokens": planned.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -1,0 +1,325 @@
+"""SLO routing through a real Envoy: profile a mixed mock fleet, then offer it a mix of short chat
+prompts and long prompts under each strategy and score the SLO each one keeps.
+
+The profiles come from the product's own workflow, run against the fleet it then routes: `profile
+sweep` through the gateway, one GPU type at a time (AIBrix's `external-filter` header narrows the
+pods to one deployment), then `profile build` for the SLO, into `HETERO_GATEWAY_PROFILE_DIR`.
+
+The SLO is p99 TTFT: the one a long prompt on a slow card breaks (its prefill alone can exceed
+it), and the one waiting at the gateway eats into, so a held request has a real deadline. Chunk
+gaps (AIBrix's TPOT) are no use as the profile's SLO for this mix: an engine that prefills a 4k
+prompt stalls every decode on it for that long, so p99 chunk gaps of long-prompt cells fail on
+every GPU at every rate. TPOT per request is reported beside it.
+
+Scoring, per strategy, over every request the mix offered:
+- served: a 200 with a complete stream; rejected: the gateway's 503 saying the SLO cannot be met;
+- attainment: the share of offered requests served within the SLO; goodput: requests per second
+  served within it;
+- for rejected requests, how long after its deadline each answer came: the deadline is arrival +
+  min(target - the profile's TTFT on the best GPU type that can serve it, the gateway's max wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from plugin.core.profile import GpuProfile
+from plugin.core.request import DEFAULT_TOKENIZER
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet
+from plugin_tools.demo.loadgen import LengthDist, Workload, prompt_text, run_open_loop
+from plugin_tools.demo.report import RequestResult
+from plugin_tools.profile.build import build_profile, parse_row
+from plugin_tools.profile.store import write_profile
+from plugin_tools.profile.sweep import SweepPlan, run_sweep
+from plugin_tools.stats import percentile
+
+__all__ = ["MixResult", "SloBench", "profile_fleet", "run_mix", "score", "slo_fleet"]
+
+DEPLOYMENT_LABEL = "app.kubernetes.io/name"  # AIBRIX_POD_DEPLOYMENT_LABEL's default
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClass:
+    """One kind of request in the mix: fixed prompt words and output tokens, Poisson at `rate`."""
+
+    name: str
+    prompt_words: int
+    output_tokens: int
+    rate_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SweepGrid:
+    """One `profile sweep` run: its input and output lengths, rates and prompts per point."""
+
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    rates: tuple[float, ...]
+    prompts: int
+
+
+@dataclass(frozen=True, slots=True)
+class SloBench:
+    """The experiment's knobs; the defaults are the documented run (`benchmarks/slo_routing.py`)."""
+
+    model: str = "llama-3-8b"
+    presets: tuple[str, ...] = ("a100", "v100")
+    time_scale: float = 1.0
+    ttft_slo_s: float = 1.0  # the SLO the profiles are built for, at `percentile`
+    percentile: int = 99
+    max_wait_ms: int = 2000  # HETERO_GATEWAY_SLO_MAX_WAIT_MS
+    # The sweeps: one per request size of the mix, each over the rates that matter for it, all
+    # appended into one benchmark file per GPU type (a profile's cells may come from several
+    # sweeps). Enough prompts per point that a kept-up rate measures as kept up: the wall time
+    # of N Poisson arrivals at rate r is about (N - 1) / r + E2E, and `build` wants TPUT >= 0.9 r.
+    sweeps: tuple[SweepGrid, ...] = (
+        SweepGrid(inputs=(64,), outputs=(32,), rates=(4.0, 8.0, 16.0), prompts=48),
+        SweepGrid(inputs=(4096,), outputs=(32,), rates=(0.5, 1.0, 2.0), prompts=6),
+    )
+    mix: tuple[RequestClass, ...] = (
+        RequestClass("short", 64, 32, 6.0),
+        RequestClass("long", 4200, 32, 1.0),  # > 4k tokens as the engine counts them
+    )
+    duration_s: float = 30.0
+    seed: int = 0
+    strategies: tuple[str, ...] = (
+        "slo",
+        "slo-pack-load",
+        "slo-least-load",
+        "least-request",
+        "load-balance",
+    )
+    listen_port: int = 0  # 0: a free one
+
+    def fleet_spec(self, profile_dir: Path, listen_port: int) -> FleetSpec:
+        return FleetSpec(
+            model=self.model,
+            presets=self.presets,
+            time_scale=self.time_scale,
+            tokens_per_chunk=1,  # one token per SSE event: TPOT gaps are per token
+            listen_port=listen_port,
+            count_mode="observe",
+            plugin_env={
+                "HETERO_GATEWAY_PROFILE_DIR": str(profile_dir),
+                "HETERO_GATEWAY_SLO_MAX_WAIT_MS": str(self.max_wait_ms),
+            },
+        )
+
+
+def slo_fleet(bench: SloBench, profile_dir: Path, listen_port: int) -> LocalFleet:
+    (profile_dir / bench.model).mkdir(parents=True, exist_ok=True)
+    return LocalFleet(bench.fleet_spec(profile_dir, listen_port))
+
+
+async def _profile_one(
+    fleet: LocalFleet, bench: SloBench, preset: str, profile_dir: Path
+) -> tuple[GpuProfile, int, int]:
+    out = io.BytesIO()
+    sent = failed = 0
+    for grid in bench.sweeps:
+        plan = SweepPlan(
+            fleet.envoy_url,
+            bench.model,
+            grid.inputs,
+            grid.outputs,
+            grid.rates,
+            prompts=grid.prompts,
+            seed=bench.seed,
+            headers={"external-filter": f"{DEPLOYMENT_LABEL}={preset}"},
+            timeout_s=120.0,
+        )
+        n, bad = await run_sweep(plan, out, progress=False)
+        sent, failed = sent + n, failed + bad
+    rows = [parse_row(orjson.loads(line), preset) for line in out.getvalue().splitlines()]
+    profile = build_profile(
+        rows, preset, slos={"ttft": bench.ttft_slo_s}, percentile=bench.percentile
+    )
+    write_profile(profile, str(profile_dir / bench.model / f"{preset}.json"))
+    return profile, sent, failed
+
+
+async def profile_fleet(
+    fleet: LocalFleet, bench: SloBench, profile_dir: Path, log: Callable[[str], None] = print
+) -> dict[str, GpuProfile]:
+    """Sweep every GPU type through the gateway (each on its own pods, at the same time), build
+    its profile, restart the plugin so it loads them; returns {deployment: profile}."""
+    presets = list(dict.fromkeys(bench.presets))
+    done = await asyncio.gather(*(_profile_one(fleet, bench, p, profile_dir) for p in presets))
+    for preset, (_, sent, failed) in zip(presets, done, strict=True):
+        log(f"swept {preset}: {sent} requests, {failed} failed")
+    await fleet.stop_process(fleet.plugin)
+    await fleet.start_plugin()  # loads the profiles at start-up
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{fleet.plugin_url}/debug/pods") as resp,
+    ):
+        pods = (await resp.json())["pods"]
+    missing = [key for key, p in pods.items() if not p.get("profile")]
+    if missing:
+        raise RuntimeError(f"the plugin did not load a profile for {missing}")
+    return {p: profile for p, (profile, _, _) in zip(presets, done, strict=True)}
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One request of the mix and what became of it."""
+
+    kind: str
+    result: RequestResult
+
+
+@dataclass(slots=True)
+class MixResult:
+    strategy: str
+    requests: list[Sent] = field(default_factory=list)
+
+
+async def run_mix(fleet: LocalFleet, bench: SloBench, strategy: str) -> MixResult:
+    """Offer the mix (each class its own Poisson stream) through Envoy with `strategy`."""
+
+    async def one(k: int, cls: RequestClass) -> list[Sent]:
+        workload = Workload(
+            rate_per_s=cls.rate_per_s,
+            duration_s=bench.duration_s,
+            prompt_words=LengthDist(cls.prompt_words, 0.0, cls.prompt_words, cls.prompt_words),
+            output_tokens=LengthDist(cls.output_tokens, 0.0, cls.output_tokens, cls.output_tokens),
+            seed=bench.seed * 100 + k,
+        )
+        results = await run_open_loop(
+            fleet.envoy_url, bench.model, workload, strategy=strategy, request_timeout_s=120.0
+        )
+        return [Sent(cls.name, r) for r in results]
+
+    parts = await asyncio.gather(*(one(k, c) for k, c in enumerate(bench.mix)))
+    return MixResult(strategy, [s for part in parts for s in part])
+
+
+def _rejected(r: RequestResult) -> bool:
+    return r.status == 503 and r.error is not None and "SLO" in r.error
+
+
+def deadline_s(bench: SloBench, profiles: Mapping[str, GpuProfile], cls: RequestClass) -> float:
+    """How long after arrival the gateway may still route a request of `cls` (see the module
+    docstring); the prompt size is the gateway's estimate (`DEFAULT_TOKENIZER`)."""
+    prompt = DEFAULT_TOKENIZER.count(prompt_text(cls.prompt_words))
+    expected = []
+    for p in profiles.values():
+        cell = p.cell(prompt, cls.output_tokens)
+        if cell is not None and p.tputs[cell[0]][cell[1]] > 0 and p.ttft is not None:
+            expected.append(p.ttft[cell[0]][cell[1]])
+    slack = bench.ttft_slo_s - min(expected) if expected else 0.0
+    return max(0.0, min(slack, bench.max_wait_ms / 1000.0))
+
+
+def score(result: MixResult, bench: SloBench, profiles: Mapping[str, GpuProfile]) -> dict[str, Any]:
+    """Attainment, goodput, p99 TTFT and TPOT, rejections and their lateness past the deadline."""
+    sent = result.requests
+    served = [s for s in sent if s.result.ok]
+    met = [s for s in served if (t := s.result.ttft_s) is not None and t <= bench.ttft_slo_s]
+    rejected = [s for s in sent if _rejected(s.result)]
+    deadlines = {c.name: deadline_s(bench, profiles, c) for c in bench.mix}
+    late = [(s.result.latency_s or 0.0) - deadlines[s.kind] for s in rejected]
+
+    def p99(values: list[float | None]) -> float | None:
+        return percentile([v for v in values if v is not None], 99)
+
+    def by_kind(kind: str) -> dict[str, Any]:
+        mine = [s for s in sent if s.kind == kind]
+        ok = [s for s in mine if s.result.ok]
+        shares: dict[str, int] = {}
+        for s in ok:
+            gpu = (s.result.replica or "?").rsplit("-", 1)[0]
+            shares[gpu] = shares.get(gpu, 0) + 1
+        return {
+            "offered": len(mine),
+            "served": len(ok),
+            "met": sum(s in met for s in mine),
+            "rejected": sum(_rejected(s.result) for s in mine),
+            "deadline_s": deadlines[kind],
+            "p99_ttft_s": p99([s.result.ttft_s for s in ok]),
+            "p99_tpot_s": p99([s.result.tpot_s for s in ok]),
+            "served_by_gpu": dict(sorted(shares.items())),
+        }
+
+    return {
+        "strategy": result.strategy,
+        "offered": len(sent),
+        "served": len(served),
+        "met": len(met),
+        "rejected": len(rejected),
+        "failed": len(sent) - len(served) - len(rejected),
+        "attainment": len(met) / len(sent) if sent else math.nan,
+        "goodput_per_s": len(met) / bench.duration_s,
+        "p99_ttft_s": p99([s.result.ttft_s for s in served]),
+        "p99_tpot_s": p99([s.result.tpot_s for s in served]),
+        "max_reject_late_s": max(late) if late else None,
+        "by_kind": {c.name: by_kind(c.name) for c in bench.mix},
+    }
+
+
+async def run_bench(
+    bench: SloBench, workdir: Path, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """The whole experiment on a fresh fleet: profiles, then each strategy in turn."""
+    from plugin_tools.demo.fleet import free_port
+
+    port = bench.listen_port or free_port()
+    profile_dir = workdir / "profiles"
+    fleet = slo_fleet(bench, profile_dir, port)
+    async with fleet:
+        profiles = await profile_fleet(fleet, bench, profile_dir, log)
+        runs = []
+        for strategy in bench.strategies:
+            result = await run_mix(fleet, bench, strategy)
+            scored = score(result, bench, profiles)
+            log(
+                f"{strategy}: attainment {scored['attainment']:.3f}, goodput "
+                f"{scored['goodput_per_s']:.2f}/s, p99 TTFT {scored['p99_ttft_s']}, "
+                f"rejected {scored['rejected']}, failed {scored['failed']}"
+            )
+            runs.append(scored)
+            await asyncio.sleep(2.0 * bench.time_scale)  # let the engines drain between runs
+    return {
+        "bench": _describe(bench),
+        "profiles": {k: p.to_json() for k, p in profiles.items()},
+        "runs": runs,
+    }
+
+
+def _describe(bench: SloBench) -> dict[str, Any]:
+    doc = {
+        k: getattr(bench, k)
+        for k in (
+            "model",
+            "presets",
+            "time_scale",
+            "ttft_slo_s",
+            "percentile",
+            "max_wait_ms",
+            "duration_s",
+            "seed",
+        )
+    }
+    doc["sweeps"] = [
+        {"inputs": g.inputs, "outputs": g.outputs, "rates": g.rates, "prompts": g.prompts}
+        for g in bench.sweeps
+    ]
+    doc["mix"] = [
+        {
+            "name": c.name,
+            "prompt_words": c.prompt_words,
+            "output_tokens": c.output_tokens,
+            "rate_per_s": c.rate_per_s,
+        }
+        for c in bench.mix
+    ]
+    return doc
