@@ -877,7 +877,8 @@ async def test_shutdown_answers_held_requests_at_once_and_counts_them(holding: R
         await s.send(response_headers(200, end_of_stream=True))
         await s.finish()
     await stopping
-    assert holding.gateway.router.waits.count == {True: 0, False: 1}  # the wait histogram
+    waits = holding.gateway.router.waits.by_outcome  # the wait histogram
+    assert (waits[True].count, waits[False].count) == (0, 1)
     assert holding.gateway.servicer.errors.counts == {(503, "ShuttingDown"): 1}
     assert set(_inflight(holding).values()) == {0}
 
@@ -949,3 +950,46 @@ async def test_external_filter_header_narrows_the_pods_and_a_bad_one_is_400(
             assert "external-filter" in orjson.loads(immediate.body)["error"]["message"]
             await stream.finish()
         assert set(_inflight(r).values()) == {0}
+
+
+@dataclass(frozen=True)
+class Predicting:
+    """Routes to the first pod and predicts the request takes `expected_s` end to end."""
+
+    expected_s: float
+    name: str = "predicting"
+
+    def admit(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: Any, now: float
+    ) -> Admission:
+        return Route(candidates[0], expected_e2e_s=self.expected_s)
+
+
+async def test_predicted_and_actual_latency_reach_metrics(
+    pods_file: Path, start_gateway: StartGateway
+) -> None:
+    """A served request a strategy predicted is in `hetero_gateway_slo_e2e_ratio` (actual over
+    predicted); a failed one is not."""
+    strategy = Predicting(expected_s=60.0)  # far slower than this test: ratio below 0.25
+    gateway = await start_gateway(
+        pods_file,
+        SETTINGS_ENV,
+        strategies={**build_strategies(), strategy.name: strategy},
+        default_strategy=strategy.name,
+    )
+    async for r in _connected(gateway, pods_file):
+        for status in (200, 500):
+            stream, _ = await _route(r)
+            await stream.send(response_headers(status))
+            await stream.send(response_body(b"".join(sse_chunks(3)), end_of_stream=True))
+            await stream.finish()
+        async with aiohttp.ClientSession() as session, session.get(f"{r.http}/metrics") as resp:
+            text = await resp.text()
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "hetero_gateway_slo_e2e_ratio"
+        for s in f.samples
+    }
+    assert samples[("hetero_gateway_slo_e2e_ratio_count", None)] == 1
+    assert samples[("hetero_gateway_slo_e2e_ratio_bucket", "0.25")] == 1

@@ -259,9 +259,11 @@ def test_the_queue_is_bounded_per_model_and_drains_with_an_answer() -> None:
         with pytest.raises(ShuttingDown):
             w.result()
     waits = router.waits  # the queue-full request never waited: not in the histogram
-    assert waits.count == {True: 0, False: 2} and waits.sum_s[False] == pytest.approx(0.6)
-    assert waits.buckets[False][WAIT_BUCKETS_S.index(0.5)] == 2  # cumulative buckets
-    assert waits.buckets[False][WAIT_BUCKETS_S.index(0.25)] == 0
+    rejected = waits.by_outcome[False]
+    assert (waits.by_outcome[True].count, rejected.count) == (0, 2)
+    assert rejected.total == pytest.approx(0.6)
+    assert rejected.counts[WAIT_BUCKETS_S.index(0.5)] == 2  # cumulative buckets
+    assert rejected.counts[WAIT_BUCKETS_S.index(0.25)] == 0
 
 
 def test_queue_metrics_are_valid_prometheus_histograms() -> None:
@@ -291,3 +293,58 @@ def test_queue_metrics_are_valid_prometheus_histograms() -> None:
         == 0
     )
     assert samples[("hetero_gateway_wait_seconds_count", (("outcome", "rejected"),))] == 1
+
+
+def test_latency_is_compared_with_the_profile_s_prediction() -> None:
+    """`hetero_gateway_slo_e2e_ratio`: actual / predicted E2E, from the routing decision (after
+    the wait) to the response's end, for served SLO-routed requests only."""
+    router, _, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
+    slo = strategy(router, "slo")
+    routed = [router.admit(req(clock), slo) for _ in range(3)]
+    clock.t += 2.0  # predicted 1.0 s (both profiles' E2E): twice as slow
+    for d, status in zip(routed, (200, 200, 503), strict=True):
+        assert isinstance(d, Decision) and d.expected_e2e_s == pytest.approx(1.0)
+        router.finished(d, status)
+    plain = router.admit(req(clock), strategy(router, "least-request"))
+    assert isinstance(plain, Decision) and plain.expected_e2e_s is None
+    router.finished(plain, 200)  # no prediction: not counted
+
+    class One(Collector):
+        def collect(self) -> Iterator[Metric]:
+            return queue_families(router.waits, router.predictions)
+
+    registry = CollectorRegistry()
+    registry.register(One())
+    text = generate_latest(registry).decode()
+    family = {f.name: f for f in text_string_to_metric_families(text)}[
+        "hetero_gateway_slo_e2e_ratio"
+    ]
+    by = {(s.name, s.labels.get("deployment"), s.labels.get("le")): s.value for s in family.samples}
+    total = sum(v for (n, _, _), v in by.items() if n.endswith("_count"))
+    assert total == 2  # the 503 and the unpredicted request are left out
+    for deployment in {d.lease.pod.deployment for d in routed[:2] if isinstance(d, Decision)}:
+        assert by[("hetero_gateway_slo_e2e_ratio_bucket", deployment, "1.5")] == 0
+        assert by[("hetero_gateway_slo_e2e_ratio_bucket", deployment, "2.0")] >= 1
+
+
+def test_a_woken_request_skips_a_gpu_type_its_wait_has_ruled_out() -> None:
+    """Slack is per GPU type: after waiting 2.5 s a request can still make its 5 s E2E on the
+    fast type (1 s expected) but no longer on the slow one (3 s), even if the slow pod frees."""
+    router, pool, clock, book = setup(pod("f", "fast"), pod("s", "slow"))
+    slow = dataclasses.replace(grid_profile("slow", tput=0.5, e2e=3.0), created=1.0)
+    fast = grid_profile("fast", tput=10.0, e2e=1.0)
+    book.replace({profile_key(MODEL, "slow"): slow, profile_key(MODEL, "fast"): fast})
+    pool.profiles_changed()
+    slo = strategy(router, "slo")
+    leases = [router.admit(req(clock), slo) for _ in range(11)]  # 10 fill f, 1 fills s
+    assert all(isinstance(d, Decision) for d in leases)
+    assert (pool.inflight("ns/f"), pool.inflight("ns/s")) == (10, 1)
+    held = router.admit(req(clock), slo)
+    assert isinstance(held, Waiter) and held.deadline == clock.t + 4.0  # the fast type's slack
+    clock.t += 2.5
+    on_slow = next(d for d in leases if isinstance(d, Decision) and d.lease.pod.name == "s")
+    on_slow.lease.release()
+    assert not held.done and pool.inflight("ns/s") == 0  # the slow pod is free, but too slow
+    on_fast = next(d for d in leases if isinstance(d, Decision) and d.lease.pod.name == "f")
+    on_fast.lease.release()
+    assert held.done and held.result().lease.pod.name == "f"

@@ -372,6 +372,7 @@ class RoutingProcessor:
         decision.lease.release(output, tokens.status, self._router.now())
         request = decision.request
         self._router.completed(request.model, request.prompt_tokens, output, tokens.status)
+        self._router.finished(decision, tokens.status)
 
 
 class CountingProcessor:

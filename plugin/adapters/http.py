@@ -23,7 +23,7 @@ from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import DEFAULT_GPU_LABEL
 from plugin.core.pool import PodPool
-from plugin.core.router import WAIT_BUCKETS_S, WaitStats
+from plugin.core.router import Buckets, PredictionStats, WaitStats
 
 
 class SharedStateView(Protocol):
@@ -41,20 +41,37 @@ class SharedStateView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-def queue_families(waits: WaitStats) -> Iterator[Metric]:
-    """The gateway queue's wait-time histogram (rejections are request errors, by class)."""
+def _histogram(family: HistogramMetricFamily, labels: list[str], data: Buckets) -> None:
+    bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
+    buckets = [(b, c) for b, c in zip(bounds, data.counts, strict=True)]
+    buckets.append(("+Inf", data.count))
+    family.add_metric(labels, buckets, data.total)
+
+
+def queue_families(
+    waits: WaitStats, predictions: PredictionStats | None = None
+) -> Iterator[Metric]:
+    """The gateway queue's wait-time histogram (rejections are request errors, by class) and how
+    SLO-routed requests' latency compared with their profiles' predictions."""
     wait = HistogramMetricFamily(
         "hetero_gateway_wait_seconds",
         "How long requests held at the gateway waited, by outcome (routed or rejected).",
         labels=["outcome"],
     )
     for routed, outcome in ((True, "routed"), (False, "rejected")):
-        counts = waits.buckets[routed]
-        bounds = [floatToGoString(b) for b in WAIT_BUCKETS_S]  # type: ignore[no-untyped-call]
-        buckets = [(b, c) for b, c in zip(bounds, counts, strict=True)]
-        buckets.append(("+Inf", waits.count[routed]))
-        wait.add_metric([outcome], buckets, waits.sum_s[routed])
+        _histogram(wait, [outcome], waits.by_outcome[routed])
     yield wait
+    if predictions is None:
+        return
+    ratio = HistogramMetricFamily(
+        "hetero_gateway_slo_e2e_ratio",
+        "Actual / predicted end-to-end latency of SLO-routed requests (routing decision to "
+        "response end, over the GPU profile's E2E for the request's size), by deployment.",
+        labels=["deployment"],
+    )
+    for deployment, data in sorted(predictions.ratios.items()):
+        _histogram(ratio, [deployment], data)
+    yield ratio
 
 
 class GatewayCollector(Collector):
@@ -67,10 +84,12 @@ class GatewayCollector(Collector):
         gpu_label: str = DEFAULT_GPU_LABEL,
         waiting: Callable[[], Mapping[str, int]] = dict,
         waits: WaitStats | None = None,
+        predictions: PredictionStats | None = None,
     ) -> None:
         self._pool = pool
         self._waiting = waiting
         self._waits = waits
+        self._predictions = predictions
         self._errors = errors
         self._scraper = scraper
         self._shared = shared
@@ -137,7 +156,7 @@ class GatewayCollector(Collector):
             held.add_metric([model], counts.get(model, 0))
         yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info, held)
         if self._waits is not None:
-            yield from queue_families(self._waits)
+            yield from queue_families(self._waits, self._predictions)
         if self._shared is not None:
             yield GaugeMetricFamily(
                 "hetero_gateway_shared_state_up",
@@ -192,9 +211,12 @@ def build_app(
     waiting: Callable[[], Mapping[str, int]] = dict,
     profiles: ProfileLoader | None = None,
     waits: WaitStats | None = None,
+    predictions: PredictionStats | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting, waits))
+    registry.register(
+        GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting, waits, predictions)
+    )
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(

@@ -207,6 +207,7 @@ class Gateway:
             waiting=self.router.waiting_by_model,
             profiles=self.profile_loader,
             waits=self.router.waits,
+            predictions=self.router.predictions,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

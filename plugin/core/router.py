@@ -33,29 +33,75 @@ from plugin.errors import (
     UnknownStrategy,
 )
 
-__all__ = ["WAIT_BUCKETS_S", "Decision", "Router", "WaitStats", "Waiter"]
+__all__ = [
+    "RATIO_BUCKETS",
+    "WAIT_BUCKETS_S",
+    "Buckets",
+    "Decision",
+    "PredictionStats",
+    "Router",
+    "WaitStats",
+    "Waiter",
+]
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Actual / predicted latency: 1.0 is a profile that predicts exactly; finer steps around it.
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class Buckets:
+    """One cumulative histogram (Prometheus's shape), kept in the core and read by /metrics."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        counts = self.counts
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                counts[i] += 1
 
 
 class WaitStats:
     """How long held requests waited, routed or rejected (a histogram read by /metrics). Why
     they were rejected is in the request-error counts, by error class, like every other error."""
 
-    __slots__ = ("buckets", "count", "sum_s")
+    __slots__ = ("by_outcome",)
 
     def __init__(self) -> None:
-        self.buckets = {routed: [0] * len(WAIT_BUCKETS_S) for routed in (True, False)}
-        self.count = {True: 0, False: 0}
-        self.sum_s = {True: 0.0, False: 0.0}
+        self.by_outcome = {routed: Buckets(WAIT_BUCKETS_S) for routed in (True, False)}
 
     def observe(self, waited_s: float, routed: bool) -> None:
-        self.count[routed] += 1
-        self.sum_s[routed] += waited_s
-        counts = self.buckets[routed]
-        for i, bound in enumerate(WAIT_BUCKETS_S):
-            if waited_s <= bound:
-                counts[i] += 1
+        self.by_outcome[routed].observe(waited_s)
+
+
+class PredictionStats:
+    """How a request's end-to-end latency compared with its GPU profile's prediction: actual /
+    predicted, per deployment, for requests an SLO strategy routed and an engine served (200).
+
+    Actual runs from the routing decision (after any wait at the gateway) to the end of the
+    response, so it measures the profile, not the queue (the wait histogram has that).
+    """
+
+    __slots__ = ("ratios",)
+
+    def __init__(self) -> None:
+        self.ratios: dict[str, Buckets] = {}
+
+    def observe(self, deployment: str, predicted_s: float, actual_s: float) -> None:
+        if not predicted_s > 0 or actual_s < 0:
+            return
+        buckets = self.ratios.get(deployment)
+        if buckets is None:
+            buckets = self.ratios[deployment] = Buckets(RATIO_BUCKETS)
+        buckets.observe(actual_s / predicted_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +109,8 @@ class Decision:
     lease: Lease
     strategy: str
     request: RequestInfo
+    routed_at: float = 0.0
+    expected_e2e_s: float | None = None  # the profile's prediction, when a strategy made one
 
 
 class Waiter:
@@ -145,6 +193,7 @@ class Router:
         "history",
         "max_waiting",
         "pool",
+        "predictions",
         "waits",
     )
 
@@ -171,11 +220,19 @@ class Router:
         self.history = history or OutputHistory()
         self.max_waiting = max_waiting  # per model; a request beyond is rejected (QueueFull)
         self.waits = WaitStats()
+        self.predictions = PredictionStats()
         pool.on_release = self._on_release
         pool.on_change = self.wake
 
     def now(self) -> float:
         return self._clock()
+
+    def finished(self, decision: Decision, status: int) -> None:
+        """A routed request's response ended: compare its latency with the prediction."""
+        if decision.expected_e2e_s is not None and status == 200:
+            deployment = decision.lease.pod.deployment or ""
+            actual = self._clock() - decision.routed_at
+            self.predictions.observe(deployment, decision.expected_e2e_s, actual)
 
     def completed(self, model: str, prompt_tokens: int, output_tokens: int, status: int) -> None:
         """A response ended: a successful one teaches the output-length history."""
@@ -211,7 +268,7 @@ class Router:
         answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
             lease = self.pool.acquire(answer.candidate.pod, answer.load)
-            return Decision(lease, asked.name, request)
+            return Decision(lease, asked.name, request, now, answer.expected_e2e_s)
         if type(answer) is Reject:
             raise answer.error
         if type(answer) is Wait:
@@ -312,7 +369,8 @@ class Router:
         if type(answer) is Route:
             self._forget(waiter)
             lease = self.pool.acquire(answer.candidate.pod, answer.load)
-            self._settled(waiter, Decision(lease, strategy.name, waiter.request), None)
+            decision = Decision(lease, strategy.name, waiter.request, now, answer.expected_e2e_s)
+            self._settled(waiter, decision, None)
         elif type(answer) is Reject:
             self._forget(waiter)
             self._settled(waiter, None, answer.error)

@@ -48,6 +48,9 @@ class Route:
 
     candidate: Candidate
     load: float = 0.0
+    # The request's end-to-end latency on this pod as its GPU profile predicts it (seconds), for
+    # strategies that predict one; the gateway compares it with what the request then took.
+    expected_e2e_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

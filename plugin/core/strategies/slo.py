@@ -138,6 +138,7 @@ class SloFit:
     candidate: Candidate
     consumption: float  # share of the pod the request takes; inf: never within the SLO
     slack_s: float  # how long it may wait and still make its SLO (inf: only the gateway's bound)
+    expected_e2e_s: float | None = None  # the profile's E2E for the cell (None: not in it)
 
 
 def _slack_s(
@@ -191,7 +192,7 @@ def fit(
     concurrency = tput * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
     consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / tput  # no e2e: 1 s a request
     slack = _slack_s(profile, cell, request, request.prompt_tokens, output_tokens)
-    return SloFit(candidate, consumption, slack)
+    return SloFit(candidate, consumption, slack, e2e if e2e > 0 and math.isfinite(e2e) else None)
 
 
 class SloStrategy:
@@ -228,13 +229,23 @@ class SloStrategy:
         output = self._output_tokens(request, [p for _, p in profiled])
         fits = [f for c, p in profiled if (f := fit(c, p, request, output)) is not None]
         # A pod serves the request within its SLO if its GPU type meets the profile's SLO at
-        # this size (tputs > 0) and the request's own target, if stricter, is not already lost.
-        servable = [f for f in fits if math.isfinite(f.consumption) and f.slack_s >= 0]
-        if not servable:
+        # this size (tputs > 0) and the time the request has waited has not used up its slack
+        # there (a woken request must not go to a slower GPU type it can no longer make it on).
+        waited = now - request.arrived_at
+        meets = [f for f in fits if math.isfinite(f.consumption) and f.slack_s >= 0]
+        servable = [f for f in meets if f.slack_s >= waited]
+        if not meets:
             return Reject(
                 SloUnmeetable(
                     f"no GPU type serving {request.model} can meet the SLO for a request of "
                     f"{request.prompt_tokens} prompt and about {output} output tokens"
+                )
+            )
+        if not servable:
+            return Reject(
+                SloUnmeetable(
+                    f"the SLO of this {request.model} request can no longer be met: it waited "
+                    f"{waited:.2f} s"
                 )
             )
         # An idle pod always has room: a profile whose best passing rate was low gives a request
@@ -248,7 +259,6 @@ class SloStrategy:
             return self._route(room, rng, fullest=self.mode == "pack")
         # pulling, and no pod has room: wait while the SLO can still be met.
         slack = max(f.slack_s for f in servable)
-        waited = now - request.arrived_at
         budget = min(slack, self.settings.max_wait_s)
         if waited >= budget:
             return Reject(
@@ -270,8 +280,8 @@ class SloStrategy:
         sign = -1.0 if fullest else 1.0
         keys = [(sign * f.candidate.load,) for f in fits]
         chosen = random_min([f.candidate for f in fits], keys, rng)
-        consumption = next(f.consumption for f in fits if f.candidate is chosen)
-        return Route(chosen, load=consumption)
+        best = next(f for f in fits if f.candidate is chosen)
+        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
 
 
 def _family(name: str, mode: str) -> None:
