@@ -1,0 +1,171 @@
+"""SLO routing end to end: real Envoy, the plugin, two mock GPU types, profiles made by the
+`profile sweep` and `profile build` commands against those engines.
+
+One fleet (an a100 and a v100 mock engine) serves a mix of short chat prompts and long prompts
+(4,200 words: over 4k tokens as the engine counts them). Each GPU type is swept through the
+gateway, narrowed to its own pod by the `external-filter` header, and its profile is built for
+p99 TTFT <= 1 s. Then:
+
+- the same mix under `least-request` and under `slo`: least-request sends long prompts to the
+  v100, whose prefill alone exceeds the SLO, so its p99 TTFT breaks the SLO; `slo` keeps them on
+  the a100 and its served requests stay within it, with better attainment;
+- a burst of long prompts under `slo`: more than the a100 can start within the SLO; those it
+  cannot serve in time are answered 503 within 100 ms of their deadline, none is served late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import orjson
+import pytest
+import pytest_asyncio
+
+from plugin.core.profile import GpuProfile, parse_profile
+from plugin_tools.bench.slo import (
+    DEPLOYMENT_LABEL,
+    MixResult,
+    RequestClass,
+    SloBench,
+    deadline_s,
+    run_mix,
+    score,
+    slo_fleet,
+)
+from plugin_tools.demo.fleet import LocalFleet, free_port
+
+pytestmark = pytest.mark.dataplane
+
+SLO_S = 1.0
+# The gateway's clock starts when a request reaches it, the client's when it sends it: Envoy
+# and loopback in between. A request the gateway routes at the end of its slack is predicted to
+# make its TTFT exactly (the profile's p99), so the client may see it a few ms over.
+CLIENT_OVERHEAD_S = 0.02
+BENCH = SloBench(
+    ttft_slo_s=SLO_S,
+    mix=(RequestClass("short", 64, 32, 6.0), RequestClass("long", 4200, 32, 0.5)),
+    duration_s=15.0,
+)
+
+
+async def _cli(*args: str) -> str:
+    """`hetero-gateway ARGS...` as a child process; its stderr when it fails."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "plugin",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return out.decode()
+
+
+async def _sweep_and_build(fleet: LocalFleet, gpu: str, profile_dir: Path) -> GpuProfile:
+    """The README's workflow for one GPU type, through the gateway."""
+    rows = profile_dir.parent / f"{gpu}.jsonl"
+    common = (
+        *("--base-url", fleet.envoy_url, "--model", BENCH.model),
+        *("--external-filter", f"{DEPLOYMENT_LABEL}={gpu}"),
+        *("--output-start", "32", "--output-limit", "32", "--no-progress", "-o", str(rows)),
+    )
+    # Short prompts up to 16/s, long ones up to 2/s: one benchmark file, two sweeps.
+    await _cli(
+        "profile",
+        "sweep",
+        *common,
+        *("--input-start", "64", "--input-limit", "64"),
+        *("--rate-start", "4", "--rate-limit", "16", "--prompts", "32"),
+    )
+    await _cli(
+        "profile",
+        "sweep",
+        *common,
+        *("--input-start", "4096", "--input-limit", "4096"),
+        *("--rate-start", "0.5", "--rate-limit", "2", "--prompts", "5"),
+    )
+    target = profile_dir / BENCH.model / f"{gpu}.json"
+    await _cli(
+        *("profile", "build", gpu, "--benchmark", str(rows)),
+        *("--ttft", str(SLO_S), "--percentile", "99", "-o", str(target)),
+    )
+    return parse_profile(orjson.loads(target.read_bytes()))
+
+
+@dataclass
+class Profiled:
+    fleet: LocalFleet
+    profiles: dict[str, GpuProfile]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def profiled(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Profiled]:
+    profile_dir = tmp_path_factory.mktemp("slo") / "profiles"
+    fleet = slo_fleet(BENCH, profile_dir, free_port())
+    async with fleet:
+        gpus = list(BENCH.presets)
+        built = await asyncio.gather(*(_sweep_and_build(fleet, g, profile_dir) for g in gpus))
+        await fleet.stop_process(fleet.plugin)
+        await fleet.start_plugin()  # reads HETERO_GATEWAY_PROFILE_DIR at start-up
+        yield Profiled(fleet, dict(zip(gpus, built, strict=True)))
+
+
+def _cell(profile: GpuProfile, words: int) -> float:
+    return profile.tputs[0][profile.in_ticks.index(words)]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_sweeps_measure_what_each_gpu_type_sustains(profiled: Profiled) -> None:
+    a100, v100 = profiled.profiles["a100"], profiled.profiles["v100"]
+    assert a100.in_ticks == v100.in_ticks == (64, 4096) and a100.out_ticks == (32,)
+    assert _cell(a100, 64) > _cell(v100, 64) > 0  # both serve short prompts, the a100 more
+    assert _cell(a100, 4096) > 0  # a 4k prefill takes ~0.4 s on the a100 ...
+    assert _cell(v100, 4096) == 0  # ... and ~1.4 s on the v100: never within a 1 s TTFT
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_slo_keeps_the_ttft_slo_where_least_request_breaks_it(profiled: Profiled) -> None:
+    fleet, profiles = profiled.fleet, profiled.profiles
+    baseline = score(await run_mix(fleet, BENCH, "least-request"), BENCH, profiles)
+    await asyncio.sleep(2.0)  # let the engines drain
+    slo = score(await run_mix(fleet, BENCH, "slo"), BENCH, profiles)
+
+    print("least-request", orjson.dumps(baseline).decode())  # shown when an assert fails
+    print("slo", orjson.dumps(slo).decode())
+    assert baseline["failed"] == slo["failed"] == 0
+    assert baseline["by_kind"]["long"]["served_by_gpu"].get("v100", 0) > 0
+    assert baseline["p99_ttft_s"] > SLO_S  # long prompts on the v100 blow it
+    assert slo["by_kind"]["long"]["served_by_gpu"].get("v100", 0) == 0
+    assert slo["p99_ttft_s"] <= SLO_S + CLIENT_OVERHEAD_S
+    assert slo["attainment"] > baseline["attainment"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_burst_slo_cannot_serve_in_time_is_rejected_at_its_deadline(
+    profiled: Profiled,
+) -> None:
+    """Nine long prompts at once: the a100 starts one or two within the SLO, the rest wait
+    at the gateway and get 503 when their deadline comes, not a late answer."""
+    burst = RequestClass("long", 4200, 32, 80.0)
+    bench = replace(BENCH, mix=(burst,), duration_s=0.1)  # 9 requests for seed 0
+    result: MixResult = await run_mix(profiled.fleet, bench, "slo")
+    scored = score(result, bench, profiled.profiles)
+    deadline = deadline_s(bench, profiled.profiles, burst)
+
+    print(orjson.dumps(scored).decode(), "deadline", deadline)
+    assert scored["offered"] >= 6 and scored["failed"] == 0
+    assert scored["rejected"] > 0 and scored["served"] > 0
+    assert scored["max_reject_late_s"] < 0.1  # answered within 100 ms of the deadline
+    for sent in result.requests:
+        r = sent.result
+        if r.ok:
+            # None served late.
+            assert r.ttft_s is not None and r.ttft_s <= SLO_S + CLIENT_OVERHEAD_S
+        else:
+            assert r.status == 503 and r.latency_s is not None and r.latency_s <= deadline + 0.1
