@@ -76,14 +76,21 @@ def render(doc: dict[str, Any]) -> str:
         lines.append(f"- {gpu}: {cells}")
     lines += [
         "",
-        "What it shows: `least-request` splits the long prompts between the GPU types, and a "
-        "4k-token prefill on the v100 takes longer than the whole TTFT budget and stalls every "
-        "request decoding beside it. The SLO strategies read from the profiles that the v100 "
-        "cannot serve long prompts within the SLO (its `tputs` there is 0), keep them on the "
-        "a100, and count each pod's load in shares of what its profile sustains; a request no "
-        "replica has room for waits at the gateway and is answered 503 at its deadline (the "
-        "arrival plus the TTFT budget left after the profile's expected TTFT) instead of being "
-        "served late. Figures vary from run to run by a few points (one machine, 2 cores).",
+        "How to read it. `least-request` and `load-balance` send some long prompts to the v100, "
+        "where a 4k-token prefill alone takes longer than the whole TTFT budget and stalls "
+        "every request decoding beside it. The SLO strategies read from the profiles that the "
+        "v100 never serves long prompts within the SLO (its `tputs` there is 0) and keep them on "
+        "the a100. `slo-least-load` and `slo-pack-load` then route every request at once; what "
+        "they miss is mostly short prompts that queued on the a100 behind a long prefill, an "
+        "interference a per-size profile cannot see. `slo` (pulling) also holds a request while "
+        "no replica has room by its profile and answers 503 at its deadline (the arrival plus "
+        "the TTFT budget the profile leaves) instead of serving it late, so its served requests "
+        "keep the SLO (within the few ms between the client's clock and the gateway's); the "
+        "price is the requests it rejects, because room is counted in shares of the rates the "
+        "sweep saw sustained, which for short prompts is the top of the sweep's rate range, not "
+        "the a100's ceiling. A sweep over higher rates (more prompts per point, so a kept-up "
+        "rate measures as kept up) gives `slo` more room. Figures vary from run to run by a few "
+        "points (one machine, 2 cores).",
     ]
     return "\n".join(lines)
 

@@ -13,10 +13,10 @@ from types import MappingProxyType
 import pytest
 
 from plugin.core.strategies import Picker, build_strategies
-from plugin.core.types import Candidate, Pod, RequestInfo
+from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
 from plugin_tools.sim.engine import GpuProfile, parse_fleet
 from plugin_tools.sim.fleet import GatewayModel, simulate
-from plugin_tools.sim.metrics import Slo, attainment, summarize
+from plugin_tools.sim.metrics import DEFAULT_SLO, attainment, summarize
 from plugin_tools.sim.sweep import Scenario, bisect_rate, run_at, slo_capacities, study
 from plugin_tools.sim.workload import (
     CHAT,
@@ -57,7 +57,7 @@ def test_every_request_completes_or_is_counted_as_dropped() -> None:
     strategy = build_strategies()["least-request"]
     result = simulate([profile, profile], strategy, requests, warmup_s=0.0, drain_limit_s=5.0)
     assert len(result.records) == len(requests)
-    summary = summarize(result, Slo())
+    summary = summarize(result, DEFAULT_SLO)
     assert summary["completed"] + summary["dropped"] == summary["requests"] == len(requests)
     too_big = [r for r in result.records if r.prompt_tokens + r.output_tokens > 600]
     assert too_big and all(not r.completed and r.replica == -1 for r in too_big)
@@ -79,7 +79,7 @@ def test_single_replica_throughput_at_saturation_matches_the_step_model() -> Non
 def test_random_routing_ceiling_is_about_n_times_the_slowest() -> None:
     # a100 + v100 with fixed lengths: random gives each half the traffic, so the v100 saturates
     # first and the fleet sustains about twice what the v100 sustains alone.
-    scn = Scenario(tuple(parse_fleet("a100,v100")), FIXED, slo=Slo(2.0, 0.2), **TINY)  # type: ignore[arg-type]
+    scn = Scenario(tuple(parse_fleet("a100,v100")), FIXED, slo=SloTarget(2.0, 0.2), **TINY)  # type: ignore[arg-type]
     caps = slo_capacities(scn)
     slowest = min(caps.values())
     assert caps["a100-0"] > 2 * slowest

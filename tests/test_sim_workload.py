@@ -13,7 +13,14 @@ import pytest
 
 from plugin.errors import ConfigError
 from plugin_tools.sim.traces import load_trace, parse_workload
-from plugin_tools.sim.workload import CHAT, Arrivals, MixedLengths, TraceLengths, generate
+from plugin_tools.sim.workload import (
+    CHAT,
+    LONG,
+    Arrivals,
+    MixedLengths,
+    TraceLengths,
+    generate,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -25,6 +32,19 @@ def test_chat_lengths_have_the_specified_medians_and_clips() -> None:
     assert statistics.median(prompts) == pytest.approx(40, rel=0.1)
     assert statistics.median(outputs) == pytest.approx(280, rel=0.1)
     assert max(prompts) == 4096 and max(outputs) == 1024 and min(prompts) >= 1
+
+
+def test_the_long_mix_has_long_prompts_with_short_answers(tmp_path: Path) -> None:
+    lengths, traces = parse_workload("chat:0.8,long:0.2", tmp_path)  # synthetic: no trace read
+    assert isinstance(lengths, MixedLengths) and not traces
+    rng = random.Random(3)
+    samples = [lengths.sample(rng) for _ in range(5000)]
+    long = [(p, o) for p, o in samples if p > 4096]
+    assert 0.17 < len(long) / len(samples) < 0.23  # chat prompts are clipped at 4096
+    assert all(o <= LONG.max_output == 128 for _, o in long)
+    assert statistics.median(p for p, _ in long) == pytest.approx(6000, rel=0.1)
+    # What a client asks for at most: the longest answer of any part.
+    assert lengths.max_output == CHAT.max_output == 1024
 
 
 @pytest.mark.parametrize(("kind", "cv"), [("poisson", 1.0), ("gamma", 3.0), ("gamma", 0.5)])

@@ -57,6 +57,45 @@ def test_simulate_writes_json_markdown_and_plots(
     assert "G* =" in capsys.readouterr().out
 
 
+def test_simulate_runs_slo_routing_and_writes_its_doc_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc_md = tmp_path / "benchmarks.md"
+    doc_md.write_text("# Benchmarks\n\nHand-written prose stays.\n")
+    out = tmp_path / "slo.json"
+    code = main(
+        [
+            "simulate",
+            "--fleet", "a100,l20",
+            "--workload", "long",
+            "--slo-tpat", "0.02",
+            "--target", "0.9",
+            "--strategies", "slo,least-request",
+            "--loads", "0.5",
+            "--requests", "100",
+            "--warmup", "10",
+            "--no-progress",
+            "--json", str(out),
+            "--doc", str(doc_md),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["slo"] == {"tpat_s": 0.02}  # only the target given: no default TTFT or TPOT
+    assert set(doc["profiles"]) == {"a100", "l20"}
+    assert doc["sweep"]["inputs"][-1] >= 16384 and doc["max_tokens"] == 128
+    for s in doc["strategies"].values():
+        assert 0 <= s["rejected"]["0.5"] <= s["requests"]["0.5"]
+    assert doc["strategies"]["least-request"]["rejected"]["0.5"] == 0
+    text = doc_md.read_text()
+    assert text.startswith("# Benchmarks\n\nHand-written prose stays.\n")
+    section = text.split("<!-- simulate-slo:begin -->", 1)[1]
+    assert section.rstrip().endswith("<!-- simulate-slo:end -->")
+    assert "TPAT <= 20 ms" in section and "| slo | 0.5 |" in section
+    assert "hetero-gateway simulate" in section
+    assert "| slo | 0.5 |" in capsys.readouterr().out  # the SLO table is printed too
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -67,8 +106,20 @@ def test_simulate_writes_json_markdown_and_plots(
         (["--strategies", "magic"], "unknown strategy"),
         (["--loads", "0.5,-1"], "positive"),
         (["--arrivals", "trace"], "exactly one trace"),
+        (["--slo-tpat", "-0.02"], "positive"),
+        (["--doc", "x.md", "--strategies", "least-request"], "SLO strategies"),
     ],
-    ids=["fleet", "set-value", "set-field", "workload", "strategy", "loads", "trace-arrivals"],
+    ids=[
+        "fleet",
+        "set-value",
+        "set-field",
+        "workload",
+        "strategy",
+        "loads",
+        "trace-arrivals",
+        "slo",
+        "doc-without-slo-routing",
+    ],
 )
 def test_bad_arguments_stop_with_a_configuration_error(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]

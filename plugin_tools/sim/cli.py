@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -41,7 +42,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument(
         "--workload",
         default="chat",
-        help="chat, azure-conv, azure-code or a mix: chat:0.7,azure-code:0.3",
+        help="chat, long (prompts over 4k tokens, short answers), azure-conv, azure-code or a"
+        " mix: chat:0.8,long:0.2",
     )
     p.add_argument("--trace-dir", default=DEFAULT_TRACE_DIR, help="folder of the Azure trace CSVs")
     p.add_argument(
@@ -49,8 +51,11 @@ def register_cli(sub: Any) -> None:
         default="poisson",
         help="poisson, gamma:CV (burstier when CV > 1) or trace (the trace's own gaps, rescaled)",
     )
-    p.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.06, help="TPOT SLO in seconds")
+    slo = "SLO in seconds (with no --slo-* flag: TTFT 1 s and TPOT 0.06 s)"
+    p.add_argument("--slo-ttft", type=float, help=f"TTFT {slo}")
+    p.add_argument("--slo-tpot", type=float, help=f"TPOT (per output token after the first) {slo}")
+    p.add_argument("--slo-e2e", type=float, help=f"end-to-end latency {slo}")
+    p.add_argument("--slo-tpat", type=float, help=f"TPAT (E2E / (prompt + output tokens)) {slo}")
     p.add_argument("--target", type=float, default=0.99, help="attainment that counts as sustained")
     p.add_argument("--strategies", default=DEFAULT_STRATEGIES)
     p.add_argument("--loads", default=DEFAULT_LOADS, help="fractions of G* to sweep")
@@ -63,6 +68,13 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     p.add_argument("--md", type=Path, help="Markdown table (default: next to --json)")
     p.add_argument("--plots", type=Path, help="PNG prefix (default: next to --json)")
+    p.add_argument(
+        "--doc",
+        type=Path,
+        help="with SLO strategies: write their figures as a marked section of this Markdown"
+        " file (docs/benchmarks.md), keeping the rest of it",
+    )
+    p.add_argument("--doc-section", default="simulate-slo", help="the section's marker name")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -98,12 +110,25 @@ def _floats(raw: str, what: str) -> list[float]:
     return values
 
 
+def slo_target(args: argparse.Namespace) -> Any:
+    """The --slo-* flags given, or the default SLO when none is."""
+    from plugin.core.types import SloTarget
+    from plugin.errors import ConfigError
+    from plugin_tools.sim.metrics import DEFAULT_SLO
+
+    given = (args.slo_ttft, args.slo_tpot, args.slo_e2e, args.slo_tpat)
+    if all(v is None for v in given):
+        return DEFAULT_SLO
+    if any(v is not None and not v > 0 for v in given):
+        raise ConfigError("--slo-* targets must be positive seconds")
+    return SloTarget(*given)
+
+
 def build_scenario(args: argparse.Namespace) -> Any:
     from plugin.core.strategies import LoadBalanceSettings
     from plugin.errors import ConfigError
     from plugin_tools.sim.engine import parse_fleet
     from plugin_tools.sim.fleet import GatewayModel
-    from plugin_tools.sim.metrics import Slo
     from plugin_tools.sim.sweep import Scenario
     from plugin_tools.sim.traces import parse_workload
     from plugin_tools.sim.workload import Arrivals
@@ -131,7 +156,7 @@ def build_scenario(args: argparse.Namespace) -> Any:
         tuple(profiles),
         lengths,
         arrivals,
-        Slo(args.slo_ttft, args.slo_tpot),
+        slo_target(args),
         GatewayModel(
             scrape_interval_s=args.scrape_interval,
             metrics_delay_s=args.metrics_delay,
@@ -151,15 +176,19 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from plugin_tools.sim.report import UTILIZATION, format_markdown, write_json, write_plots
-    from plugin_tools.sim.sweep import study
+    from plugin_tools.sim.sweep import reads_profiles, study
 
     scenario = build_scenario(args)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     loads = _floats(args.loads, "--loads")
     started = time.monotonic()
-    with tqdm(
-        total=1 + len(strategies), desc="simulate", disable=args.no_progress, file=sys.stderr
-    ) as bar:
+    slo_routing = any(reads_profiles(s) for s in strategies)
+    if args.doc and not slo_routing:
+        from plugin.errors import ConfigError
+
+        raise ConfigError("--doc writes the figures of SLO strategies; --strategies has none")
+    units = 1 + len(strategies) + slo_routing  # + the GPU profiles
+    with tqdm(total=units, desc="simulate", disable=args.no_progress, file=sys.stderr) as bar:
 
         def progress(label: str) -> None:
             bar.set_postfix_str(label)
@@ -177,9 +206,10 @@ def run(args: argparse.Namespace) -> int:
         overrides=args.set,
         workload=args.workload,
         arrivals=args.arrivals,
-        slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        slo={k: v for k, v in dataclasses.asdict(scenario.slo).items() if v is not None},
         target=args.target,
         seed=args.seed,
+        max_tokens=scenario.lengths.max_output,
         measured_requests=args.requests,
         warmup_s=args.warmup,
         scrape_interval_s=args.scrape_interval,
@@ -191,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
             " attainment",
             "max_rate": "largest offered rate (req/s) with attainment >= target (bisection)",
             "tpot_p50_ratio": "max / min over replicas of the per-replica p50 TPOT",
+            "rejected": "measured requests the strategy refused, at once or after waiting at"
+            " the gateway (a miss; not among the dropped)",
+            "wait_p50": "time from arrival to routing of the routed requests (also wait_p99)",
         },
         elapsed_s=round(time.monotonic() - started, 1),
     )
@@ -202,6 +235,14 @@ def run(args: argparse.Namespace) -> int:
     if md:
         md.parent.mkdir(parents=True, exist_ok=True)
         md.write_text(f"Command: `{doc['command']}`\n\n" + markdown)
+    if args.doc:
+        from plugin_tools.docsection import write_section
+        from plugin_tools.sim.report import format_slo_routing
+
+        print(
+            f"wrote {write_section(args.doc, args.doc_section, format_slo_routing(doc))}",
+            file=sys.stderr,
+        )
     prefix = args.plots or (args.json.with_suffix("") if args.json else None)
     if prefix:
         for path in write_plots(doc, prefix):

@@ -5,6 +5,15 @@ real gateway sees: the in-flight counts it keeps itself, engine metrics sampled 
 interval (optionally delivered late), and capacity learned from the output tokens of completed
 requests. Nothing of the engines' internals reaches a strategy: the only path from an engine to
 the gateway is `EngineSnapshot` (what vLLM's /metrics would say) through `PodPool.update_metrics`.
+
+Requests are admitted as the gateway admits them (`Router.admit`): a strategy may route one at
+once, reject it, or hold it. A held request is driven in simulated time as the ext_proc adapter
+drives it in real time: the router's `notify` schedules its outcome, and an event at its deadline
+calls `Router.expire` (again at a later deadline if the strategy sets one; a deadline moved
+earlier while it waits takes effect at the one scheduled, as in the adapter). A rejected request
+never reaches an engine and is recorded as such. Each completion teaches the router's output
+history (`Router.completed`), which SLO routing predicts output lengths from; the GPU profiles
+SLO routing reads come in as a `ProfileBook` keyed by GPU type (each pod's deployment).
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ from typing import Any
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
-from plugin.core.router import Router
-from plugin.core.strategies import LoadBalanceSettings, Strategy
+from plugin.core.profile import ProfileBook
+from plugin.core.router import Decision, Router, Waiter
+from plugin.core.strategies import LoadBalanceSettings, Strategy, build_strategies
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
+from plugin.errors import RequestError
 from plugin_tools.sim.engine import GpuProfile, SimEngine, SimSeq
 from plugin_tools.sim.workload import SimRequest
 
@@ -49,10 +60,23 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     measured: bool  # arrived inside the measured window (after the warm-up)
+    # When the gateway routed or rejected it (-1: never decided, as when the run ended first).
+    decided: float = -1.0
+    rejected: bool = False  # the strategy rejected it (at once or after waiting at the gateway)
 
     @property
     def completed(self) -> bool:
         return self.finish >= 0
+
+    @property
+    def wait(self) -> float:
+        """Time held at the gateway before it was routed or rejected (inf: never decided)."""
+        return self.decided - self.arrival if self.decided >= 0 else float("inf")
+
+    @property
+    def e2e(self) -> float:
+        """From arrival at the gateway to the last token (inf when never)."""
+        return self.finish - self.arrival if self.finish >= 0 else float("inf")
 
     @property
     def ttft(self) -> float:
@@ -103,7 +127,7 @@ def replica_names(profiles: Sequence[GpuProfile]) -> list[str]:
     return names
 
 
-_STEP, _SCRAPE, _DELIVER, _MARK = 0, 1, 2, 3
+_STEP, _SCRAPE, _DELIVER, _MARK, _DECIDED, _DEADLINE = 0, 1, 2, 3, 4, 5
 
 
 def simulate(
@@ -115,30 +139,38 @@ def simulate(
     gateway: GatewayModel | None = None,
     seed: int = 0,
     drain_limit_s: float = 600.0,
+    book: ProfileBook | None = None,
+    max_tokens: int | None = None,
 ) -> RunResult:
     """Run `requests` through a gateway with `strategy` in front of one engine per profile.
 
     Requests arriving before `warmup_s` warm the gateway's estimates and are not measured.
     Requests still unfinished `drain_limit_s` after the last arrival count as dropped, as do
-    requests whose whole sequence cannot fit a replica's KV cache.
+    requests whose whole sequence cannot fit a replica's KV cache. `book` holds the GPU
+    profiles SLO routing reads (each pod's deployment is its GPU type's name); `max_tokens` is
+    what every request's body asks for at most.
     """
     gw = gateway or GatewayModel()
     names = replica_names(profiles)
     engines = [SimEngine(n, p) for n, p in zip(names, profiles, strict=True)]
     pods = [
-        Pod(n, "sim", MODEL, f"10.0.{i // 250}.{i % 250 + 1}", 8000, 8000)
-        for i, n in enumerate(names)
+        Pod(n, "sim", MODEL, f"10.0.{i // 250}.{i % 250 + 1}", 8000, 8000, deployment=p.name)
+        for i, (n, p) in enumerate(zip(names, profiles, strict=True))
     ]
     index = {p.key: i for i, p in enumerate(pods)}
     pool = PodPool(
         CapacityEstimator(gw.capacity_window_s, gw.capacity_tau_s),
         gw.scrape_interval_s * gw.metrics_max_age_intervals,
     )
+    if book is not None:
+        pool.use_profiles(book)
     pool.set_pods(pods)
     now = 0.0
     rng = random.Random(f"router-{seed}")  # not the workload's stream
-    router = Router(pool, {strategy.name: strategy}, strategy.name, rng, lambda: now)
-    info = RequestInfo(MODEL, stream=True, include_usage=True)
+    strategies = {strategy.name: strategy}
+    if getattr(strategy, "needs_profiles", False):  # the router's fallback without profiles
+        strategies.setdefault("least-request", build_strategies()["least-request"])
+    router = Router(pool, strategies, strategy.name, rng, lambda: now)
 
     events: list[tuple[float, int, int, Any]] = []
     counter = 0
@@ -150,8 +182,11 @@ def simulate(
 
     busy = [False] * len(engines)
     seqs: list[SimSeq] = []
-    placed: list[int] = []
+    placed = [-1] * len(requests)
+    decided = [-1.0] * len(requests)
+    rejected = [False] * len(requests)
     leases: dict[int, Lease] = {}
+    held: dict[Waiter, int] = {}  # requests waiting at the gateway -> their index
 
     def start_step(i: int) -> None:
         plan = engines[i].plan_step()
@@ -161,6 +196,30 @@ def simulate(
         busy[i] = True
         duration, chunks = plan
         push(now + duration, _STEP, (i, duration, chunks))
+
+    def place(k: int, decision: Decision) -> None:
+        """The gateway routed request `k`: to the engine, or dropped if it can never fit."""
+        lease = decision.lease
+        i = index[lease.key]
+        seq = seqs[k]
+        decided[k] = now
+        if not engines[i].fits(seq):
+            lease.release(0, 0, now)  # dropped: the gateway sees an immediate failure
+            return
+        placed[k] = i
+        leases[seq.rid] = lease
+        engines[i].submit(seq)
+        if not busy[i]:
+            start_step(i)
+
+    def reject(k: int) -> None:
+        decided[k] = now
+        rejected[k] = True
+
+    def hold(k: int, waiter: Waiter) -> None:
+        held[waiter] = k
+        waiter.notify = lambda: push(now, _DECIDED, waiter)
+        push(waiter.deadline, _DEADLINE, waiter)
 
     measured = [r.arrival >= warmup_s for r in requests]
     measured_times = [r.arrival for r, m in zip(requests, measured, strict=True) if m]
@@ -180,22 +239,28 @@ def simulate(
         if next_req < n and requests[next_req].arrival < t_event:
             req = requests[next_req]
             now = req.arrival
-            seq = SimSeq(next_req, now, req.prompt_tokens, req.output_tokens)
-            seqs.append(seq)
-            lease = router.route(info, strategy).lease
-            i = index[lease.key]
+            k = next_req
             next_req += 1
-            if not engines[i].fits(seq):
-                placed.append(-1)  # dropped: never reached an engine
-                lease.release(0, 0, now)  # the gateway sees an immediate failure
+            seqs.append(SimSeq(k, now, req.prompt_tokens, req.output_tokens))
+            info = RequestInfo(
+                MODEL,
+                stream=True,
+                include_usage=True,
+                prompt_tokens=req.prompt_tokens,
+                max_tokens=max_tokens,
+                arrived_at=now,
+            )
+            try:
+                outcome = router.admit(info, strategy)
+            except RequestError:
+                reject(k)
                 continue
-            placed.append(i)
-            leases[seq.rid] = lease
-            engines[i].submit(seq)
-            if not busy[i]:
-                start_step(i)
+            if isinstance(outcome, Waiter):
+                hold(k, outcome)
+            else:
+                place(k, outcome)
             continue
-        if next_req >= n and not any(busy):
+        if next_req >= n and not any(busy) and not held:
             break
         t, _, kind, data = heapq.heappop(events)
         if t > limit:
@@ -205,8 +270,25 @@ def simulate(
             i, duration, chunks = data
             done = engines[i].finish_step(now, duration, chunks)
             for seq in done:
+                router.completed(MODEL, seq.prompt_tokens, seq.output_tokens, 200)
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
             start_step(i)
+        elif kind == _DECIDED:
+            k = held.pop(data)
+            try:
+                decision = data.result()
+            except RequestError:
+                reject(k)
+            else:
+                place(k, decision)
+        elif kind == _DEADLINE:
+            waiter = data
+            if waiter.done:
+                continue
+            if waiter.deadline <= now:
+                router.expire(waiter)  # routed, rejected, or a later deadline
+            if not waiter.done:
+                push(waiter.deadline, _DEADLINE, waiter)
         elif kind == _SCRAPE:
             for i, engine in enumerate(engines):
                 snap = engine.snapshot()
@@ -240,6 +322,8 @@ def simulate(
             s.prompt_tokens,
             s.output_tokens,
             measured[k],
+            decided[k],
+            rejected[k],
         )
         for k, s in enumerate(seqs)
     )

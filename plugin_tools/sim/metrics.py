@@ -4,28 +4,31 @@ Utilisation of a replica is its output tokens/s over the measured window divided
 saturated decode rate (`max_num_seqs` sequences in every step, no prefill): the fraction of the
 GPU's token ceiling it delivered. `busy` is the fraction of the window it spent running steps,
 which reaches 1 long before the ceiling in a continuous-batching engine.
+
+The SLO is the core's `SloTarget`: a request meets it when it completed and its TTFT, TPOT, E2E
+and TPAT (E2E over prompt + output tokens) are within every target set, times counted from its
+arrival at the gateway (a wait there counts). A request the strategy rejected is a miss, and is
+counted apart from those dropped (never finished, or too large for a KV cache).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from plugin.core.types import SloTarget
 from plugin_tools.sim.fleet import RequestRecord, RunResult
 from plugin_tools.stats import percentile as nearest_rank
 
-__all__ = ["Slo", "attainment", "percentile", "summarize"]
+__all__ = ["DEFAULT_SLO", "attainment", "met", "percentile", "summarize"]
+
+DEFAULT_SLO = SloTarget(ttft_s=1.0, tpot_s=0.06)
 
 
-@dataclass(frozen=True, slots=True)
-class Slo:
-    ttft_s: float = 1.0
-    tpot_s: float = 0.06
-
-    def met(self, r: RequestRecord) -> bool:
-        return r.completed and r.ttft <= self.ttft_s and r.tpot <= self.tpot_s
+def met(slo: SloTarget, r: RequestRecord) -> bool:
+    """The request completed within every target of `slo`."""
+    return r.completed and slo.met(r.ttft, r.tpot, r.e2e, r.prompt_tokens + r.output_tokens)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -34,11 +37,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return math.nan if value is None else value
 
 
-def attainment(result: RunResult, slo: Slo) -> float:
+def attainment(result: RunResult, slo: SloTarget) -> float:
     measured = [r for r in result.records if r.measured]
     if not measured:
         return math.nan
-    return sum(1 for r in measured if slo.met(r)) / len(measured)
+    return sum(1 for r in measured if met(slo, r)) / len(measured)
 
 
 def _spread(values: Sequence[float]) -> float:
@@ -50,12 +53,14 @@ def _spread(values: Sequence[float]) -> float:
     return max(finite) / low if low > 0 else math.inf
 
 
-def summarize(result: RunResult, slo: Slo) -> dict[str, Any]:
+def summarize(result: RunResult, slo: SloTarget) -> dict[str, Any]:
     """JSON-ready figures of the measured window (times in seconds)."""
     measured = [r for r in result.records if r.measured]
     window = result.window_s
     done = [r for r in measured if r.completed]
-    met = sum(1 for r in measured if slo.met(r))
+    good = sum(1 for r in measured if met(slo, r))
+    rejected = sum(1 for r in measured if r.rejected)
+    waits = [r.wait for r in measured if r.decided >= 0 and not r.rejected]
     ttfts = [r.ttft for r in done]
     tpots = [r.tpot for r in done if r.output_tokens > 1]
     replicas: dict[str, Any] = {}
@@ -88,10 +93,13 @@ def summarize(result: RunResult, slo: Slo) -> dict[str, Any]:
     return {
         "requests": len(measured),
         "completed": len(done),
-        "dropped": len(measured) - len(done),
+        "dropped": len(measured) - len(done) - rejected,
+        "rejected": rejected,
         "offered_rate": len(measured) / window if window > 0 else math.nan,
-        "attainment": met / len(measured) if measured else math.nan,
-        "goodput": met / window if window > 0 else math.nan,
+        "attainment": good / len(measured) if measured else math.nan,
+        "goodput": good / window if window > 0 else math.nan,
+        "wait_p50": percentile(waits, 50),
+        "wait_p99": percentile(waits, 99),
         "ttft_p50": percentile(ttfts, 50),
         "ttft_p99": percentile(ttfts, 99),
         "tpot_p50": percentile(tpots, 50),

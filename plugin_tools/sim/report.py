@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-__all__ = ["format_markdown", "write_json", "write_plots"]
+__all__ = ["describe_slo", "format_markdown", "format_slo_routing", "write_json", "write_plots"]
 
 UTILIZATION = (
     "a replica's output tokens/s over the measured window / its saturated decode rate"
@@ -32,13 +33,29 @@ def _per_replica(values: Mapping[str, float], digits: int = 2, scale: float = 1.
     return " / ".join(_f(v, digits, scale) for v in values.values())
 
 
+def describe_slo(slo: Mapping[str, float]) -> str:
+    """`TTFT <= 1 s and TPOT <= 60 ms` from the JSON's `slo` (the targets set, in seconds)."""
+    parts = []
+    for key, label in (
+        ("ttft_s", "TTFT"),
+        ("tpot_s", "TPOT"),
+        ("e2e_s", "E2E"),
+        ("tpat_s", "TPAT"),
+    ):
+        value = slo.get(key)
+        if value is None:
+            continue
+        parts.append(f"{label} <= {value:g} s" if value >= 1 else f"{label} <= {value * 1000:g} ms")
+    return " and ".join(parts)
+
+
 def format_markdown(doc: Mapping[str, Any]) -> str:
     reps = " / ".join(doc["replicas"])
     g_star = doc["g_star"]
     caps = ", ".join(f"{k} {_f(v)}" for k, v in doc["slo_capacity"].items())
     lines = [
         f"G* = {_f(g_star)} req/s (SLO capacity per replica, alone: {caps}); "
-        f"SLO TTFT <= {doc['slo']['ttft_s']:g} s and TPOT <= {doc['slo']['tpot_s'] * 1000:g} ms, "
+        f"SLO {describe_slo(doc['slo'])}, "
         f"sustained = attainment >= {doc['target'] * 100:g}%.",
         "",
         "| strategy | max sustainable rate (req/s) | / G* |",
@@ -50,22 +67,143 @@ def format_markdown(doc: Mapping[str, Any]) -> str:
         "",
         f"Per load (fraction of G*); per-replica columns are {reps}. TPOT and e2e/token in ms.",
         "",
-        "| strategy | load | attainment | goodput | TTFT p99 s | TPOT p50 | TPOT p99 | "
-        "e2e/token p99 | TPOT p50 max/min | share | TPOT p50 per replica | utilisation |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += _per_load(
+        doc,
+        (
+            "load",
+            "attainment",
+            "goodput",
+            "TTFT p99 s",
+            "TPOT p50",
+            "TPOT p99",
+            "e2e/token p99",
+            "TPOT p50 max/min",
+            "share",
+            "TPOT p50 per replica",
+            "utilisation",
+        ),
+        lambda s, load: (
+            _f(s["attainment"][load], 3),
+            _f(s["goodput"][load]),
+            _f(s["ttft_p99"][load]),
+            _f(s["tpot_p50"][load], 0, 1000),
+            _f(s["tpot_p99"][load], 0, 1000),
+            _f(s["e2e_per_token_p99"][load], 0, 1000),
+            _f(s["tpot_p50_ratio"][load]),
+            _per_replica(s["share"][load]),
+            _per_replica(s["tpot_p50_per_replica"][load], 0, 1000),
+            _per_replica(s["utilization"][load]),
+        ),
+    )
+    lines += ["", f"utilisation = {UTILIZATION}."]
+    if "profiles" in doc:
+        lines += ["", *_slo_tables(doc)]
+    return "\n".join(lines) + "\n"
+
+
+SLO_DEFINITIONS = (
+    "attainment: share of the measured requests that completed within every SLO target, times"
+    " counted from arrival at the gateway (rejected and dropped requests are misses); goodput:"
+    " requests meeting the SLO per second of the measured window; rejected: requests the"
+    " strategy refused, at once or at the end of a wait at the gateway; wait: time from arrival"
+    " to routing, of the requests routed"
+)
+
+
+def _per_load(
+    doc: Mapping[str, Any],
+    columns: Sequence[str],
+    cells: Callable[[Mapping[str, Any], str], Sequence[str]],
+) -> list[str]:
+    """A table with a row per strategy and load (the load is the first of `columns`);
+    `cells(figures of the strategy, load)` gives the rest of the row."""
+    lines = [
+        "| " + " | ".join(("strategy", *columns)) + " |",
+        "| " + " | ".join("---" for _ in range(len(columns) + 1)) + " |",
     ]
     for name, s in doc["strategies"].items():
         for load in s["attainment"]:
-            lines.append(
-                f"| {name} | {load} | {_f(s['attainment'][load], 3)} | {_f(s['goodput'][load])}"
-                f" | {_f(s['ttft_p99'][load])} | {_f(s['tpot_p50'][load], 0, 1000)}"
-                f" | {_f(s['tpot_p99'][load], 0, 1000)}"
-                f" | {_f(s['e2e_per_token_p99'][load], 0, 1000)}"
-                f" | {_f(s['tpot_p50_ratio'][load])} | {_per_replica(s['share'][load])}"
-                f" | {_per_replica(s['tpot_p50_per_replica'][load], 0, 1000)}"
-                f" | {_per_replica(s['utilization'][load])} |"
-            )
-    lines += ["", f"utilisation = {UTILIZATION}."]
+            lines.append("| " + " | ".join((name, load, *cells(s, load))) + " |")
+    return lines
+
+
+def _slo_tables(doc: Mapping[str, Any]) -> list[str]:
+    """Per strategy and load: attainment, goodput, rejections and the gateway's wait."""
+    g_star = doc["g_star"]
+    return _per_load(
+        doc,
+        (
+            "load (x G*)",
+            "offered req/s",
+            "attainment",
+            "goodput req/s",
+            "rejected",
+            "dropped",
+            "wait p50 s",
+            "wait p99 s",
+        ),
+        lambda s, load: (
+            _f(float(load) * g_star),
+            _f(s["attainment"][load], 3),
+            _f(s["goodput"][load]),
+            f"{s['rejected'][load]} / {s['requests'][load]}",
+            str(s["dropped"][load]),
+            _f(s["wait_p50"][load]),
+            _f(s["wait_p99"][load]),
+        ),
+    )
+
+
+def _profile_cells(doc: Mapping[str, Any]) -> str:
+    parts = []
+    for gpu, profile in doc["profiles"].items():
+        cells = [v for row in profile["tputs"] for v in row]
+        parts.append(f"{gpu} {sum(1 for v in cells if v > 0)} of {len(cells)}")
+    return ", ".join(parts)
+
+
+def format_slo_routing(doc: Mapping[str, Any]) -> str:
+    """The Markdown section of a run with SLO routing: setup, command, the figures per load
+    and the max sustainable rates (for `docs/benchmarks.md`, through `write_section`)."""
+    sweep = doc["sweep"]
+    target = f"{doc['target'] * 100:g}%"
+    alone = ", ".join(f"{k} {_f(v)}" for k, v in doc["slo_capacity"].items())
+    setup = [
+        f"- **Fleet** {', '.join(doc['replicas'])}; **workload** `{doc['workload']}`, "
+        f"{doc['arrivals']} arrivals; every request asks for at most {doc['max_tokens']} output "
+        "tokens (`max_tokens`, the workload's longest answer), and SLO routing predicts the "
+        "rest from completions.",
+        f"- **SLO** {describe_slo(doc['slo'])}; the profiles check it at "
+        f"p{sweep['percentile']}. G\\* = {_f(doc['g_star'])} req/s ({alone} alone at "
+        f">= {target} attainment); loads are fractions of it.",
+        f"- **GPU profiles** from a simulated `profile sweep` per GPU type (one engine alone, "
+        f"{sweep['prompts']} Poisson requests per point) over inputs {sweep['inputs'][0]}.."
+        f"{sweep['inputs'][-1]}, outputs {sweep['outputs'][0]}..{sweep['outputs'][-1]} and "
+        f"rates {sweep['rates'][0]:g}..{sweep['rates'][-1]:g} req/s, each doubling, built by "
+        f"`profile build`'s rule. Cells where the GPU type meets the SLO: {_profile_cells(doc)}.",
+        f"- {doc['measured_requests']} measured requests per run after {doc['warmup_s']:g} s of "
+        "warm-up.",
+    ]
+    lines = [
+        "## SLO routing in the simulator",
+        "",
+        f"Command ({doc['elapsed_s']:.0f} s here, 2-core machine; deterministic for the seed):",
+        "",
+        "```sh",
+        doc["command"],
+        "```",
+        "",
+        *(textwrap.fill(item, 100, subsequent_indent="  ") for item in setup),
+        "",
+        *_slo_tables(doc),
+        "",
+        f"| strategy | max sustainable rate at >= {target} (req/s) | / G* |",
+        "| --- | --- | --- |",
+    ]
+    for name, s in doc["strategies"].items():
+        lines.append(f"| {name} | {_f(s['max_rate'])} | {_f(s['max_rate_over_g_star'])} |")
+    lines += ["", textwrap.fill(SLO_DEFINITIONS + ".", 100)]
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,10 @@
 
 Every run of a scenario at a given rate replays the same seeded request stream, so strategies are
 compared on identical traffic (common random numbers) and a result is reproducible from its seed.
+
+A strategy that reads GPU profiles (SLO routing) runs with the profiles of the fleet's GPU types
+measured on simulated engines over a grid covering the workload's sizes and built for the
+scenario's SLO (`plugin_tools.sim.profiles`).
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from plugin.core.profile import ProfileBook
 from plugin.core.strategies import Picker, Strategy, build_strategies, strategy_names
-from plugin.core.types import Candidate, RequestInfo
+from plugin.core.types import Candidate, RequestInfo, SloTarget
 from plugin.errors import RoutingFailed
 from plugin_tools.sim.engine import GpuProfile
-from plugin_tools.sim.fleet import GatewayModel, RunResult, replica_names, simulate
-from plugin_tools.sim.metrics import Slo, attainment, summarize
+from plugin_tools.sim.fleet import MODEL, GatewayModel, RunResult, replica_names, simulate
+from plugin_tools.sim.metrics import DEFAULT_SLO, attainment, summarize
+from plugin_tools.sim.profiles import SweepGrid, grid_for, profile_book
 from plugin_tools.sim.workload import Arrivals, LengthSource, SimRequest, generate
 
 __all__ = [
@@ -28,6 +34,7 @@ __all__ = [
     "bisect_rate",
     "known_strategies",
     "make_strategy",
+    "reads_profiles",
     "run_at",
     "slo_capacities",
     "study",
@@ -65,16 +72,29 @@ class Scenario:
     profiles: tuple[GpuProfile, ...]
     lengths: LengthSource
     arrivals: Arrivals = field(default_factory=Arrivals)
-    slo: Slo = field(default_factory=Slo)
+    slo: SloTarget = DEFAULT_SLO
     gateway: GatewayModel = field(default_factory=GatewayModel)
     measured_requests: int = 2000
     warmup_s: float = 120.0
     seed: int = 1
     target: float = 0.99  # attainment a rate must reach to count as sustained
+    # SLO routing's profiles: the simulated sweep's grid (None: one covering the workload) and
+    # the percentile the SLO is checked at when they are built.
+    sweep: SweepGrid | None = None
+    profile_percentile: int = 99
 
     def requests(self, rate: float) -> list[SimRequest]:
         n = math.ceil(rate * self.warmup_s) + self.measured_requests
         return generate(self.lengths, self.arrivals, rate, n, random.Random(self.seed))
+
+    def sweep_grid(self) -> SweepGrid:
+        return self.sweep or grid_for(self.lengths)
+
+    def profile_book(self) -> ProfileBook:
+        """The fleet's GPU profiles for this scenario's SLO, from simulated sweeps (cached)."""
+        return profile_book(
+            self.profiles, self.sweep_grid(), self.slo, MODEL, self.profile_percentile
+        )
 
 
 def make_strategy(
@@ -97,19 +117,29 @@ def make_strategy(
     return strategies[name]
 
 
+def reads_profiles(name: str) -> bool:
+    """The named strategy routes by GPU profiles (SLO routing); False for an unknown name."""
+    strategy = build_strategies().get(name)
+    return bool(getattr(strategy, "needs_profiles", False))
+
+
 def run_at(
     scenario: Scenario,
     strategy: str,
     rate: float,
     capacities: Mapping[str, float] | None = None,
 ) -> RunResult:
+    chosen = make_strategy(strategy, scenario, capacities)
+    slo_routing = getattr(chosen, "needs_profiles", False)
     return simulate(
         scenario.profiles,
-        make_strategy(strategy, scenario, capacities),
+        chosen,
         scenario.requests(rate),
         warmup_s=scenario.warmup_s,
         gateway=scenario.gateway,
         seed=scenario.seed,
+        book=scenario.profile_book() if slo_routing else None,
+        max_tokens=scenario.lengths.max_output,
     )
 
 
@@ -181,6 +211,22 @@ def study(
         "loads": [float(f) for f in loads],
         "strategies": {},
     }
+    if any(reads_profiles(name) for name in strategies):
+        grid = scenario.sweep_grid()
+        book = scenario.profile_book()
+        out["sweep"] = {
+            "inputs": list(grid.inputs),
+            "outputs": list(grid.outputs),
+            "rates": list(grid.rates),
+            "prompts": grid.prompts,
+            "percentile": scenario.profile_percentile,
+        }
+        out["profiles"] = {
+            gpu.name: profile.to_json()
+            for gpu in dict.fromkeys(scenario.profiles)
+            if (profile := book.lookup(MODEL, gpu.name)) is not None
+        }
+        progress("gpu profiles")
     for name in strategies:
         runs = {
             _key(f): summarize(run_at(scenario, name, f * g_star, capacities), scenario.slo)
@@ -221,6 +267,9 @@ def study(
             "utilization_spread",
             "unused_replicas",
             "dropped",
+            "rejected",
+            "wait_p50",
+            "wait_p99",
             "requests",
         ):
             entry[field_name] = {k: r[field_name] for k, r in runs.items()}

@@ -7,13 +7,14 @@ import csv
 from pathlib import Path
 
 from plugin.errors import ConfigError
-from plugin_tools.sim.workload import CHAT, LengthSource, MixedLengths, TraceLengths
+from plugin_tools.sim.workload import CHAT, LONG, LengthSource, MixedLengths, TraceLengths
 
 __all__ = ["TRACE_FILES", "Trace", "load_trace", "parse_workload"]
 
 # Workload name -> file name in the trace directory (shared/data/traces in this repository's
 # checkout layout).
 TRACE_FILES = {"azure-conv": "azure2023_conv.csv", "azure-code": "azure2023_code.csv"}
+SYNTHETIC: dict[str, LengthSource] = {"chat": CHAT, "long": LONG}
 
 
 class Trace:
@@ -49,7 +50,7 @@ def load_trace(path: Path, name: str) -> Trace:
 
 
 def parse_workload(spec: str, trace_dir: Path) -> tuple[LengthSource, dict[str, Trace]]:
-    """`chat`, `azure-conv`, `azure-code`, or a mix such as `chat:0.7,azure-code:0.3`.
+    """`chat`, `long`, `azure-conv`, `azure-code`, or a mix such as `chat:0.8,long:0.2`.
 
     Returns the length source and the traces it loaded (their arrival times can drive arrivals).
     """
@@ -63,14 +64,14 @@ def parse_workload(spec: str, trace_dir: Path) -> tuple[LengthSource, dict[str, 
             raise ConfigError(f"workload weight {weight_s!r} is not a number") from None
         if weight <= 0:
             raise ConfigError(f"workload weight of {name} must be positive")
-        if name == "chat":
-            parts.append((weight, CHAT))
+        if name in SYNTHETIC:
+            parts.append((weight, SYNTHETIC[name]))
         elif name in TRACE_FILES:
             trace = traces.get(name) or load_trace(trace_dir / TRACE_FILES[name], name)
             traces[name] = trace
             parts.append((weight, trace.lengths))
         else:
-            known = ", ".join(["chat", *TRACE_FILES])
+            known = ", ".join([*SYNTHETIC, *TRACE_FILES])
             raise ConfigError(f"unknown workload {name!r} (known: {known})")
     if len(parts) == 1:
         return parts[0][1], traces

@@ -14,6 +14,7 @@ from typing import Protocol
 
 __all__ = [
     "CHAT",
+    "LONG",
     "Arrivals",
     "LengthSource",
     "LogNormalLengths",
@@ -33,12 +34,21 @@ class SimRequest:
 
 
 class LengthSource(Protocol):
+    """Sources are frozen values: what is derived from one (a profile grid) is cached by it."""
+
+    def __hash__(self) -> int: ...
+
     def sample(self, rng: random.Random) -> tuple[int, int]:
         """(prompt tokens, output tokens) of one request."""
         ...
 
     @property
     def mean_output(self) -> float: ...
+
+    @property
+    def max_output(self) -> int:
+        """The longest output the source makes: what a client would send as `max_tokens`."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +78,20 @@ class SyntheticLengths:
         rng = random.Random(0)
         return sum(self.output.sample(rng) for _ in range(20_000)) / 20_000
 
+    @property
+    def max_output(self) -> int:
+        return self.output.high
+
 
 # ShareGPT-like chat (shared/data/README.md): prompt median 40 sigma 1.7 clipped at 4k, output
 # median 280 sigma 1.2 clipped at 1k.
 CHAT = SyntheticLengths(
     LogNormalLengths(40, 1.7, 1, 4096), LogNormalLengths(280, 1.2, 1, 1024), name="chat"
+)
+# Long prompts with short answers (documents to summarise or classify, retrieval context): prompt
+# median 6k sigma 0.3 clipped to 4097..16k, output median 24 sigma 0.8 clipped at 128.
+LONG = SyntheticLengths(
+    LogNormalLengths(6000, 0.3, 4097, 16384), LogNormalLengths(24, 0.8, 1, 128), name="long"
 )
 
 
@@ -93,6 +112,10 @@ class TraceLengths:
     @property
     def mean_output(self) -> float:
         return sum(o for _, o in self.rows) / len(self.rows)
+
+    @property
+    def max_output(self) -> int:
+        return max(o for _, o in self.rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +142,10 @@ class MixedLengths:
     def mean_output(self) -> float:
         total = sum(w for w, _ in self.parts)
         return sum(w * p.mean_output for w, p in self.parts) / total
+
+    @property
+    def max_output(self) -> int:
+        return max(p.max_output for _, p in self.parts)
 
 
 @dataclass(frozen=True, slots=True)
