@@ -125,6 +125,12 @@ def test_fit_consumption_and_slack() -> None:
     f = fit(c, tpat, RequestInfo(MODEL, prompt_tokens=128), 4)
     assert f is not None and f.slack_s == pytest.approx((0.01 - 0.5 / 132) * 132)
 
+    # A profile built for several SLOs: the request may wait only while all hold. TPOT (met, and
+    # waiting does not change it) would allow any wait; the TTFT left (0.3 - 0.05) decides.
+    both = dataclasses.replace(profile, slos={"tpot": 0.2, "ttft": 0.3})
+    f = fit(c, both, RequestInfo(MODEL, prompt_tokens=128), 4)
+    assert f is not None and f.slack_s == pytest.approx(0.25)
+
 
 def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
     router, pool, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))

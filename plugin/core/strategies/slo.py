@@ -13,11 +13,12 @@ For one request and one pod:
   how many such requests the pod serves at once within the SLO); a pod is full at 1.0, and an
   idle pod always has room (a consumption above 1 only means one request at a time). `tputs`
   0 means this GPU type never meets the SLO at that size.
-- **Slack**, in AIBrix's order of SLOs: the request's `x-slo-tpot-ms` or `x-slo-ttft-ms` when
-  it sends one, else the profile's first SLO of TPOT, TTFT, TPAT, E2E, against the profile's
-  expectation (E2E and TTFT from its grids; TPOT and TPAT as shares of E2E): the longest the
-  request may wait and still make it (waiting adds to TTFT and E2E, to TPAT over its tokens, and
-  not to TPOT).
+- **Slack**: the request's `x-slo-tpot-ms` and `x-slo-ttft-ms` when it sends one, else every
+  latency SLO of the profile (TPOT, TTFT, TPAT, E2E), against the profile's expectation (E2E and
+  TTFT from its grids; TPOT and TPAT as shares of E2E): the longest the request may wait and
+  still make all of them (waiting adds to TTFT and E2E, to TPAT over its tokens, and not to
+  TPOT). AIBrix takes the first SLO in that order; with TPOT first a request could then wait out
+  its TTFT, so the least slack over all of them decides here.
 
 Strategies (never blended with others):
 
@@ -52,7 +53,7 @@ from plugin.core.strategies.base import (
     require_candidates,
 )
 from plugin.core.strategies.simple import random_min
-from plugin.core.types import Candidate, RequestInfo
+from plugin.core.types import Candidate, RequestInfo, SloTarget
 from plugin.errors import SloUnmeetable
 
 __all__ = [
@@ -146,35 +147,30 @@ def _slack_s(
 ) -> float:
     """How long the request may still wait at the gateway and meet its SLO (seconds).
 
-    The SLO is the request's own TPOT or TTFT target if it sends one, else the profile's first of
-    TPOT, TTFT, TPAT, E2E (AIBrix's order). Waiting adds to TTFT and E2E one for one, and to TPAT
-    spread over the request's tokens; it does not change TPOT, so a TPOT the profile meets leaves
-    only the gateway's own bound (and one it misses cannot be met at all).
+    The SLO is the request's own TPOT and TTFT targets if it sends one, else every latency SLO
+    the profile was built for; the slack is the least over them, so a request waits only while
+    all can still be met. Waiting adds to TTFT and E2E one for one, and to TPAT spread over the
+    request's tokens; it does not change TPOT, so a TPOT the profile meets leaves only the
+    gateway's own bound (and one it misses cannot be met at all).
     """
     i, j = cell
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
     ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
-
-    def tpot_slack(target: float) -> float:
-        expected = e2e / max(output, 1)
-        return math.inf if not expected > target else -math.inf  # NaN: unknown, not missed
-
     slo = request.slo
-    if slo is not None and slo.tpot_s is not None:
-        return tpot_slack(slo.tpot_s)
-    if slo is not None and slo.ttft_s is not None:
-        return slo.ttft_s - ttft if math.isfinite(ttft) else slo.ttft_s
-    targets = profile.slos
-    if "tpot" in targets:
-        return tpot_slack(targets["tpot"])
-    if "ttft" in targets and math.isfinite(ttft):
-        return targets["ttft"] - ttft
-    if "tpat" in targets:
+    own = slo is not None and (slo.ttft_s is not None or slo.tpot_s is not None)
+    target = slo if own and slo is not None else SloTarget.from_slos(profile.slos)
+    slacks = [math.inf]  # a profile without SLOs (the older format): no deadline of its own
+    if target.tpot_s is not None:
+        expected = e2e / max(output, 1)
+        slacks.append(math.inf if not expected > target.tpot_s else -math.inf)  # NaN: unknown
+    if target.ttft_s is not None:
+        slacks.append(target.ttft_s - ttft if math.isfinite(ttft) else target.ttft_s)
+    if not own and target.tpat_s is not None and math.isfinite(e2e):
         tokens = max(prompt + output, 1)
-        return (targets["tpat"] - e2e / tokens) * tokens if math.isfinite(e2e) else math.inf
-    if "e2e" in targets:
-        return targets["e2e"] - e2e if math.isfinite(e2e) else targets["e2e"]
-    return math.inf  # a profile without SLOs (the older format): no deadline of its own
+        slacks.append((target.tpat_s - e2e / tokens) * tokens)
+    if not own and target.e2e_s is not None:
+        slacks.append(target.e2e_s - e2e if math.isfinite(e2e) else target.e2e_s)
+    return min(slacks)
 
 
 def fit(
