@@ -575,15 +575,19 @@ GPU_LABEL: Var[str] = Var(
     DEFAULT_GPU_LABEL,
     "Pod label whose value names the GPU type (`gpu` in `/debug/pods`, `hetero_gateway_pod_info`).",
 )
-# The ext_proc message timeout of the Envoy configs this project renders (`envoy-config`,
-# deploy/): Envoy gives up on a held request's reply after it, so no gateway wait may be longer.
-ENVOY_MESSAGE_TIMEOUT_S = 60.0
+# The ext_proc timeouts of the Envoy config this project renders (`envoy-config`): a reply to one
+# message within ENVOY_MESSAGE_TIMEOUT_S (a hung plugin stalls a request no longer, then the
+# wiring's failure mode applies), except a request the gateway holds: its stream first tells
+# Envoy to wait up to the longest hold plus 1 s (`override_message_timeout`), which Envoy allows
+# up to ENVOY_MAX_MESSAGE_TIMEOUT_S. So no gateway wait may be longer than that less 1 s.
+ENVOY_MESSAGE_TIMEOUT_S = 1.0
+ENVOY_MAX_MESSAGE_TIMEOUT_S = 60.0
 SLO_MAX_WAIT_MS: Var[int] = Var(
     "HETERO_GATEWAY_SLO_MAX_WAIT_MS",
-    Int(gt=0, le=int(ENVOY_MESSAGE_TIMEOUT_S * 1000) - 1000, unit=_MS),
+    Int(gt=0, le=int(ENVOY_MAX_MESSAGE_TIMEOUT_S * 1000) - 1000, unit=_MS),
     30000,
     "SLO strategies: the longest a request waits at the gateway for a replica with room (less if"
-    " its SLO runs out first); at most the Envoy ext_proc message timeout (60 s) less 1 s.",
+    " its SLO runs out first); at most Envoy's ext_proc max_message_timeout (60 s) less 1 s.",
 )
 MAX_WAITING: Var[int] = Var(
     "HETERO_GATEWAY_MAX_WAITING",

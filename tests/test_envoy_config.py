@@ -100,7 +100,8 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
         "response_trailer_mode": "SKIP",
     }
     assert cfg["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
-    assert cfg["message_timeout"] == "60s"
+    assert cfg["message_timeout"] == "1s"  # a hung plugin stalls a request this long at most
+    assert cfg["max_message_timeout"] == "60s"  # a held request's reply may take this long
     assert cfg["failure_mode_allow"] is False
     assert cfg["status_on_error"] == {"code": 503}
     assert cfg["allow_mode_override"] is False

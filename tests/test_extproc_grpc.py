@@ -23,6 +23,7 @@ import pytest_asyncio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -764,10 +765,12 @@ async def holding(
 
 
 async def _held(r: Running) -> tuple[Stream, asyncio.Task[pb.ProcessingResponse]]:
-    """A third request that the strategy holds: its body reply is pending."""
+    """A third request that the strategy holds: Envoy is told to wait longer than its message
+    timeout for it (the longest hold, 30 s by default, plus 1 s); its body reply is pending."""
     stream = Stream(r.stub)
     assert await stream.send(request_headers()) == HEADERS_CONTINUE
-    await stream.call.write(request_body(CHAT_BODY))
+    notice = await stream.send(request_body(CHAT_BODY))
+    assert notice == pb.ProcessingResponse(override_message_timeout=Duration(seconds=31))
     reply = asyncio.ensure_future(stream.call.read())
     await eventually(lambda: r.gateway.router.waiting(MODEL) == 1, "the request to be held")
     assert not reply.done()

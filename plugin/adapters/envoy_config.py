@@ -32,7 +32,7 @@ from plugin.adapters.steering import (
     TARGET_POD_HEADER,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
-from plugin.config import ENVOY_MESSAGE_TIMEOUT_S, MAX_MESSAGE_BYTES
+from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, ENVOY_MESSAGE_TIMEOUT_S, MAX_MESSAGE_BYTES
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 
 MAX_MESSAGE_ENV = MAX_MESSAGE_BYTES.name
@@ -100,9 +100,13 @@ class EnvoyOptions:
     admin_port: int = 9901
     extproc_host: str = "127.0.0.1"
     extproc_port: int = 50052
-    # Envoy's default is 200 ms: a slower reply (the SLO queue holds requests inside the server)
-    # becomes a 504. AIBrix uses 60 s.
+    # How long Envoy waits for the plugin's reply to one message before the failure mode applies
+    # (a hung plugin stalls a request no longer). Envoy's default, 200 ms, is too tight for a
+    # loaded Python process; AIBrix uses 60 s, which lets a hung plugin stall every request.
     message_timeout_s: float = ENVOY_MESSAGE_TIMEOUT_S
+    # The longest a reply may take when the plugin asks for more (`override_message_timeout`,
+    # sent for a request it holds in the SLO queue): at least HETERO_GATEWAY_SLO_MAX_WAIT_MS + 1 s.
+    max_message_timeout_s: float = ENVOY_MAX_MESSAGE_TIMEOUT_S
     # Must equal the plugin's gRPC max message size: a BUFFERED body larger than Envoy's buffer
     # gets 413, and one larger than the gRPC limit breaks the ext_proc stream.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -149,6 +153,11 @@ class EnvoyOptions:
         if not 0 <= self.message_timeout_s <= 3600:  # Envoy's validation rule for the field.
             raise ValueError(
                 f"message_timeout_s must be in [0, 3600], got {self.message_timeout_s}"
+            )
+        if not self.message_timeout_s <= self.max_message_timeout_s <= 3600:
+            raise ValueError(
+                f"max_message_timeout_s must be in [message_timeout_s, 3600], got "
+                f"{self.max_message_timeout_s} (held requests need it above the longest hold)"
             )
         if not 0 < self.max_request_bytes <= _INT32_MAX:  # gRPC sizes and H2 windows are int32.
             raise ValueError(
@@ -224,6 +233,7 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
             # default empty 500, so clients and retries see an overload, not a server bug.
             "status_on_error": {"code": 503},
             "message_timeout": _duration(opts.message_timeout_s),
+            "max_message_timeout": _duration(opts.max_message_timeout_s),
             "processing_mode": {
                 "request_header_mode": "SEND",
                 # BUFFERED: the pick (a header mutation in the body reply) steers correctly even
@@ -545,6 +555,7 @@ _FLAGS: dict[str, str] = {
     "extproc_host": "--extproc-host",
     "extproc_port": "--extproc-port",
     "message_timeout_s": "--message-timeout",
+    "max_message_timeout_s": "--max-message-timeout",
     "max_request_bytes": "--max-request-bytes",
     "fail_open": "--fail-open",
     "upstream_connect_timeout_s": "--upstream-connect-timeout",
@@ -573,7 +584,16 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
         type=float,
         default=d.message_timeout_s,
         metavar="SECONDS",
-        help="ext_proc per-message timeout (Envoy's 200 ms default makes 504s)",
+        help="ext_proc per-message timeout: how long a hung plugin can stall a request before "
+        "the failure mode applies",
+    )
+    p.add_argument(
+        "--max-message-timeout",
+        type=float,
+        default=d.max_message_timeout_s,
+        metavar="SECONDS",
+        help="the longest the plugin may extend one message's timeout (a request it holds in "
+        "the SLO queue); keep it above HETERO_GATEWAY_SLO_MAX_WAIT_MS + 1 s",
     )
     # --max-request-bytes: declared with its variable; None leaves the variable in charge.
     MAX_MESSAGE_BYTES.add_flag(p, metavar="BYTES")
@@ -640,6 +660,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
             extproc_host=args.extproc_host,
             extproc_port=args.extproc_port,
             message_timeout_s=args.message_timeout,
+            max_message_timeout_s=args.max_message_timeout,
             max_request_bytes=max_bytes,
             fail_open=args.fail_open,
             count_mode=args.count_mode,

@@ -26,7 +26,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from plugin.adapters.steering import (
     DESTINATION_HEADER,
@@ -34,6 +34,7 @@ from plugin.adapters.steering import (
     PROMPT_TOKENS_HEADER,
     TARGET_POD_HEADER,
 )
+from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S
 from plugin.core.request import (
     LLM_PATHS,
     MODELS_PATH,
@@ -419,9 +420,14 @@ class CountingProcessor:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, hold_timeout_s: float = ENVOY_MAX_MESSAGE_TIMEOUT_S) -> None:
         self.router = router
         self.errors = ErrorCounts()
+        # Sent before a held request's wait: Envoy then waits this long for the body reply
+        # instead of its message_timeout (about 1 s), up to its max_message_timeout.
+        timeout = duration_pb2.Duration()
+        timeout.FromMilliseconds(round(hold_timeout_s * 1000))
+        self._hold_notice = pb.ProcessingResponse(override_message_timeout=timeout)
 
     def processor_for(self, first: pb.ProcessingRequest) -> Processor:
         if first.observability_mode:
@@ -442,7 +448,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if reply is None:
                     continue
                 if not isinstance(reply, pb.ProcessingResponse):
-                    reply = await reply  # a held request: wait for its admission
+                    yield self._hold_notice  # a held request: Envoy must wait longer for it
+                    reply = await reply
                 yield reply
         finally:
             if processor is not None:

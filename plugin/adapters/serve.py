@@ -131,7 +131,8 @@ class Gateway:
             time.monotonic,
             max_waiting=settings.max_waiting,
         )
-        self.servicer = ExtProcServicer(self.router)
+        # A held request's reply may take up to the longest hold; 1 s more covers the answer.
+        self.servicer = ExtProcServicer(self.router, settings.slo.max_wait_s + 1.0)
         self.scraper = MetricsScraper(
             self.pool,
             interval_s=settings.metric_refresh_interval_s,
