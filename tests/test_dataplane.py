@@ -180,9 +180,10 @@ async def test_client_cannot_steer_an_unrouted_path(fleet: LocalFleet) -> None:
         assert "x-mock-engine" not in resp.headers
 
 
-async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) -> None:
-    """A pod whose engine is gone answers 503 fast, so it would always score best; it must
-    collect only a few failures before routing stops choosing it."""
+async def test_a_dead_engine_leaves_rotation_at_its_first_failed_scrape(fleet: LocalFleet) -> None:
+    """A pod whose engine is gone answers 503 fast, so it would always score best. Its scrape is
+    refused, which takes it out of rotation at once: at most the requests routed before that
+    scrape fail (fewer than the 3 failures the 5xx rule needs), then none."""
     original = fleet.pods_file.read_text()
     doc = yaml.safe_load(original)
     doc["models"][MODEL]["pods"].append(
@@ -191,7 +192,6 @@ async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) ->
     fleet.pods_file.write_text(yaml.safe_dump(doc))
     try:
         async with aiohttp.ClientSession() as session:
-            await pods_listing(session, fleet, "default/dead-0")
 
             async def send() -> tuple[int, str | None]:
                 async with session.post(
@@ -202,27 +202,20 @@ async def test_dead_engine_is_ejected_after_a_few_failures(fleet: LocalFleet) ->
                     await resp.read()
                     return resp.status, resp.headers.get("target-pod")
 
-            failures: list[tuple[int, str | None]] = []
-            for _ in range(200):  # idle pods tie, so the dead one is picked about 1 in 4
-                status, pod = await send()
-                if status != 200:
-                    failures.append((status, pod))
-                if len(failures) == 3:  # HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX
-                    break
-            # The outcome is recorded when the routing stream closes, a moment after the client
-            # has its 503: poll (bounded) for the ejection.
+            await pods_listing(session, fleet, "default/dead-0")
+            before = [await send() for _ in range(8)]  # some may reach it before its scrape
             state = await poll(
                 lambda: pods_state(session, fleet),
-                lambda state: bool(state["pods"]["default/dead-0"]["ejected"]),
-                "the dead pod's ejection",
+                lambda state: bool(state["pods"]["default/dead-0"]["unreachable"]),
+                "the dead pod to leave rotation",
                 interval_s=0.05,
             )
-            after = [await send() for _ in range(15)]  # well inside the 5 s ejection
+            after = [await send() for _ in range(30)]
     finally:
         fleet.pods_file.write_text(original)
-    assert [pod for _, pod in failures] == ["dead-0"] * 3
-    assert state["pods"]["default/dead-0"]["ejected"] is True
+    assert all(pod == "dead-0" for status, pod in before if status != 200)
     assert all(status == 200 for status, _ in after), after
+    assert all(pod != "dead-0" for _, pod in after)
     assert state["pods"]["default/dead-0"]["inflight"] == 0
 
 

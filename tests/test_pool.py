@@ -238,3 +238,39 @@ def test_an_infinite_running_count_is_ignored() -> None:
     _scrape(pool, a, float("inf"), 5, 0.0)
     _scrape(pool, a, float("inf"), 5, 1.0)
     assert pool.saturation(a.key) is None
+
+
+def test_an_engine_that_does_not_answer_its_scrape_leaves_rotation_until_it_answers() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    pool.scrape_failed(a.key)
+    assert names(pool, 1.0) == {"b"} and pool.unreachable(a.key)
+    pool.scrape_failed(a.key)  # again: nothing changes
+    assert names(pool, 1.5) == {"b"}
+    pool.update_metrics(a.key, EngineMetrics(0.0, 0.0, 0.1), 2.0)
+    assert names(pool, 2.0) == {"a", "b"} and not pool.unreachable(a.key)
+    assert pool.snapshot(2.0)["pods"][a.key]["unreachable"] is False
+
+
+def test_an_answering_engine_ends_its_5xx_ejection_only_after_it_was_unreachable() -> None:
+    """A dead engine refuses connections (5xx, ejected with backoff) and its scrapes fail; once
+    it answers a scrape again it is back at once. An engine whose /metrics works while its
+    requests fail keeps its ejection."""
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    fail(pool, a, 3, 1.0)
+    pool.update_metrics(a.key, EngineMetrics(0.0, 0.0, 0.1), 1.5)
+    assert names(pool, 1.5) == {"b"}  # it answers metrics, but it failed requests: still out
+    pool.scrape_failed(a.key)
+    pool.update_metrics(a.key, EngineMetrics(0.0, 0.0, 0.1), 2.0)  # back from the dead
+    assert names(pool, 2.0) == {"a", "b"} and not pool.ejected(a.key, 2.0)
+
+
+def test_unreachable_pods_come_back_before_failing_ones_when_nothing_else_is_left() -> None:
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    pool.scrape_failed(a.key)
+    pool.scrape_failed(b.key)  # say, a metrics port nobody can reach
+    assert names(pool, 1.0) == {"a", "b"}  # all out: all stay candidates
+    fail(pool, a, 3, 1.0)
+    assert names(pool, 1.0) == {"b"}  # the 5xx rule still works

@@ -129,10 +129,14 @@ class MetricsScraper:
                 raise ValueError("no known engine metric on the page")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self.errors_total[pod.key] = self.errors_total.get(pod.key, 0) + 1
+            self._pool.scrape_failed(pod.key)
             if pod.key not in self._failing:
                 self._failing.add(pod.key)
                 log.warning(
-                    "metrics scrape of %s (%s) failed: %r; its metrics go stale", pod.key, url, exc
+                    "metrics scrape of %s (%s) failed: %r; out of rotation until it answers",
+                    pod.key,
+                    url,
+                    exc,
                 )
             return
         if pod.key in self._failing:

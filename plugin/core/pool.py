@@ -123,6 +123,7 @@ class PodPool:
         "_shared_tokens",
         "_slot",
         "_unpublished",
+        "_unreachable",
         "loaded",
         "on_change",
         "on_release",
@@ -139,6 +140,9 @@ class PodPool:
         self._saturation_probe_s = saturation_probe_s
         self._ejection = ejection or EjectionPolicy()
         self._health: dict[str, _Health] = {}
+        # Pods whose last metrics scrape failed (refused, timed out, not 200): out of rotation
+        # until a scrape succeeds again (`scrape_failed`, `update_metrics`).
+        self._unreachable: set[str] = set()
         self._metrics_max_age_s = metrics_max_age_s
         self._pods: dict[str, Pod] = {}
         self._by_endpoint: dict[str, Pod] = {}
@@ -178,6 +182,7 @@ class PodPool:
             self._peak_running.pop(key, None)
             self._capacity.forget(key)
             self._health.pop(key, None)
+            self._unreachable.discard(key)
             self._routed.pop(key, None)
             self._counted.pop(key, None)
             self._unpublished.pop(key, None)
@@ -291,7 +296,12 @@ class PodPool:
                 candidate.waiting = candidate.kv_usage = None
         heapq.heapify(state.stale)
         ready = [o for o, pod in enumerate(state.pods) if pod.ready]
-        healthy = [o for o in ready if not self.ejected(state.pods[o].key, now)]
+        # Out of rotation: pods whose engine fails requests (5xx), and pods whose engine does
+        # not answer its scrapes. If that leaves none, the unreachable ones come back first (a
+        # metrics endpoint nobody can reach, say a wrong port, must not disable the 5xx rule),
+        # then every ready pod (better a try than a certain 503).
+        serving = [o for o in ready if not self.ejected(state.pods[o].key, now)]
+        healthy = [o for o in serving if state.pods[o].key not in self._unreachable]
         heal = [
             h.ejected_until
             for o in ready
@@ -300,7 +310,7 @@ class PodPool:
         state.next_heal = min(heal, default=math.inf)
         state.now = now
         state.dirty = False
-        view.set_members(healthy or ready)
+        view.set_members(healthy or serving or ready)
 
     def _expire_metrics(self, state: _Model, order: int, now: float) -> None:
         candidate = state.view.slots[order]
@@ -387,18 +397,40 @@ class PodPool:
             h.failures = 0
             doublings = min(h.ejections - 1, 30)  # bounded: a pod dead for days must not overflow
             h.ejected_until = now + min(policy.max_s, policy.base_s * 2**doublings)
-            slot = self._slot.get(key)
-            if slot is not None:
-                slot[0].dirty = True  # the routable set changes
+            self._mark_dirty(key)
 
     def ejected(self, key: str, now: float) -> bool:
+        """Out of rotation for a while: its engine kept failing requests (`EjectionPolicy`)."""
         h = self._health.get(key)
         return h is not None and h.ejected_until > now
+
+    def unreachable(self, key: str) -> bool:
+        """Out of rotation until its engine answers a metrics scrape again."""
+        return key in self._unreachable
+
+    def scrape_failed(self, key: str) -> None:
+        """The engine did not answer its metrics scrape (dead, hung, or not 200): it leaves the
+        candidates at once, not after some requests failed or hung on it, and comes back with
+        the next scrape it answers. If every pod of a model is out, all stay candidates."""
+        if key in self._pods and key not in self._unreachable:
+            self._unreachable.add(key)
+            self._mark_dirty(key)
+
+    def _mark_dirty(self, key: str) -> None:
+        slot = self._slot.get(key)
+        if slot is not None:
+            slot[0].dirty = True  # the routable set changes
 
     # background ------------------------------------------------------------------------------
     def update_metrics(self, key: str, metrics: EngineMetrics, now: float) -> None:
         if key not in self._pods:
             return
+        if key in self._unreachable:
+            # It answers again: back in rotation, and an ejection for failed requests (a dead
+            # engine refusing connections) ends with it, instead of waiting out its backoff.
+            self._unreachable.discard(key)
+            self._health.pop(key, None)
+            self._mark_dirty(key)
         previous = self._metrics.get(key)
         scraped = self._metrics[key] = _Scraped(metrics, now, now + self._metrics_max_age_s)
         self._learn_saturation(key, metrics, None if previous is None else previous.metrics, now)
@@ -577,6 +609,7 @@ class PodPool:
                 "capacity_tokens_per_s": self.capacity(key),
                 "saturation": self.saturation(key),
                 "ejected": self.ejected(key, now),
+                "unreachable": key in self._unreachable,
                 "engine": None
                 if scraped is None
                 else {

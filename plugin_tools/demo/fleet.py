@@ -215,32 +215,8 @@ class LocalFleet:
             raise
 
     async def _start(self) -> None:
-        py = [sys.executable, "-m", "plugin"]
         for e in self.engines:
-            p = e.params
-            e.proc = await self._spawn(
-                e.name,
-                [
-                    *py,
-                    "mock-engine",
-                    "--preset",
-                    e.preset,
-                    "--name",
-                    e.name,
-                    "--model",
-                    self.spec.model,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(e.port),
-                    "--time-scale",
-                    repr(p.time_scale),
-                    "--tokens-per-chunk",
-                    str(p.tokens_per_chunk),
-                    "--max-num-seqs",
-                    str(p.max_num_seqs),
-                ],
-            )
+            e.proc = await self._spawn_engine(e)
         for e in self.engines:
             assert e.proc is not None
             await self._wait_http(e.name, e.proc, f"{e.url}/health")
@@ -252,6 +228,25 @@ class LocalFleet:
             "envoy", self.envoy_options(self.spec.listen_port, self.admin_port)
         )
         await self._wait_http("envoy", self.envoy, f"http://127.0.0.1:{self.admin_port}/ready")
+
+    async def _spawn_engine(self, e: EngineProc) -> asyncio.subprocess.Process:
+        p = e.params
+        return await self._spawn(
+            e.name,
+            [
+                *(sys.executable, "-m", "plugin", "mock-engine"),
+                *("--preset", e.preset, "--name", e.name, "--model", self.spec.model),
+                *("--host", "127.0.0.1", "--port", str(e.port)),
+                *("--time-scale", repr(p.time_scale)),
+                *("--tokens-per-chunk", str(p.tokens_per_chunk)),
+                *("--max-num-seqs", str(p.max_num_seqs)),
+            ],
+        )
+
+    async def restart_engine(self, e: EngineProc) -> None:
+        """Start an engine again on its port (after `stop_process(e.proc)`); wait until ready."""
+        e.proc = await self._spawn_engine(e)
+        await self._wait_http(e.name, e.proc, f"{e.url}/health")
 
     async def start_plugin(self) -> None:
         """Start (or, after `stop_process(fleet.plugin)`, restart) the plugin; wait until ready."""

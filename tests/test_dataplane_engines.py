@@ -1,0 +1,98 @@
+"""Data plane, engines that hang or die: out of rotation within about a second from the plugin's
+own scrapes, back as soon as they answer again.
+
+Scrapes run every second with a 500 ms timeout (the defaults). A hung engine (SIGSTOP: its socket
+accepts, nothing answers) times its scrape out; a dead one refuses it. Either way the pod leaves
+the candidates at once, instead of collecting requests that hang (a hung engine keeps a high
+learned capacity and a low score) or fail in bursts per ejection cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from tests.helpers import chat_body
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio]
+
+MODEL = "llama-3-8b"
+DETECT_S = 2.0  # one scrape period (1 s) plus its timeout (0.5 s), plus slack for a loaded machine
+
+
+async def _pod_state(fleet: LocalFleet, name: str) -> dict[str, object]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"{fleet.plugin_url}/debug/pods") as resp,
+    ):
+        pods = (await resp.json())["pods"]
+    return next(p for p in pods.values() if p["name"] == name)
+
+
+async def _until(fleet: LocalFleet, name: str, unreachable: bool, within_s: float) -> float:
+    """Seconds until /debug/pods shows the pod (un)reachable; fails after `within_s`."""
+    start = time.monotonic()
+    while time.monotonic() - start < within_s:
+        if (await _pod_state(fleet, name))["unreachable"] is unreachable:
+            return time.monotonic() - start
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{name} not {'un' if unreachable else ''}reachable within {within_s} s")
+
+
+async def _served_by(fleet: LocalFleet, n: int) -> Counter[str]:
+    """Which engine served each of `n` short requests, one after another (least-request)."""
+    served: Counter[str] = Counter()
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(n):
+            async with session.post(
+                f"{fleet.envoy_url}/v1/chat/completions",
+                json=chat_body(MODEL, 2),
+                headers={"routing-strategy": "least-request"},
+            ) as resp:
+                await resp.read()
+                served[resp.headers.get("x-mock-engine", f"HTTP {resp.status}")] += 1
+    return served
+
+
+def _engine(fleet: LocalFleet, preset: str) -> tuple[str, int]:
+    e = next(e for e in fleet.engines if e.preset == preset)
+    assert e.proc is not None
+    return e.name, e.proc.pid
+
+
+async def test_a_hung_engine_leaves_rotation_and_returns_when_it_answers(tmp_path: Path) -> None:
+    spec = FleetSpec(model=MODEL, presets=("a100", "l20"), listen_port=free_port())
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        name, pid = _engine(fleet, "a100")
+        assert (await _served_by(fleet, 4))[name] > 0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert await _until(fleet, name, True, DETECT_S) < DETECT_S
+            assert (await _served_by(fleet, 6)) == Counter({"l20-0": 6})
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert await _until(fleet, name, False, DETECT_S) < DETECT_S
+        assert (await _served_by(fleet, 6))[name] > 0
+
+
+async def test_a_dead_engine_costs_no_burst_and_is_back_within_seconds(tmp_path: Path) -> None:
+    spec = FleetSpec(model=MODEL, presets=("a100", "l20"), listen_port=free_port())
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        name, _ = _engine(fleet, "a100")
+        engine = next(e for e in fleet.engines if e.name == name)
+        await fleet.stop_process(engine.proc)
+        await _until(fleet, name, True, DETECT_S)
+        # Out of rotation: no request is sent to it, so none fails (no ejection cycles).
+        assert (await _served_by(fleet, 8)) == Counter({"l20-0": 8})
+        await fleet.restart_engine(engine)
+        assert await _until(fleet, name, False, DETECT_S) < DETECT_S
+        assert (await _served_by(fleet, 6))[name] > 0
