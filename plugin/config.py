@@ -477,6 +477,14 @@ MAX_MESSAGE_BYTES: Var[int] = Var(
     " output, Envoy's buffer limit, so the two stay equal.",
     flag=Flag("envoy-config", "--max-request-bytes"),
 )
+MAX_REQUEST_HEADERS: Var[int] = Var(
+    "HETERO_GATEWAY_MAX_REQUEST_HEADERS",
+    Int(ge=16, le=10000),
+    100,
+    "Envoy's `max_headers_count` (its default, and what `envoy-config` renders): the plugin"
+    " answers 431 to a request that would exceed it once the plugin's own headers are added,"
+    " instead of Envoy's empty 503.",
+)
 PODS_FILE: Var[str | None] = Var(
     "HETERO_GATEWAY_PODS_FILE",
     Text("path", strip=False),
@@ -662,6 +670,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     LB_AVOID_FULL_BATCHES,
     METRIC_REFRESH_MS,
     MAX_MESSAGE_BYTES,
+    MAX_REQUEST_HEADERS,
     PODS_FILE,
     GRPC_PORT,
     HTTP_PORT,
@@ -718,6 +727,7 @@ class Settings:
     max_waiting: int = MAX_WAITING.default
     metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
+    max_request_headers: int = MAX_REQUEST_HEADERS.default
     pods_file: str | None = PODS_FILE.default
     grpc_port: int = GRPC_PORT.default
     http_port: int = HTTP_PORT.default
@@ -794,6 +804,11 @@ def max_message_bytes(env: Mapping[str, str] | None = None) -> int:
     return MAX_MESSAGE_BYTES.read(os.environ if env is None else env)
 
 
+def max_request_headers(env: Mapping[str, str] | None = None) -> int:
+    """HETERO_GATEWAY_MAX_REQUEST_HEADERS alone, for `envoy-config` (as `max_message_bytes`)."""
+    return MAX_REQUEST_HEADERS.read(os.environ if env is None else env)
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -802,6 +817,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         load_balance=_load_balance_settings(env),
         metric_refresh_interval_s=METRIC_REFRESH_MS.read(env) / 1000.0,
         max_message_bytes=max_message_bytes(env),
+        max_request_headers=max_request_headers(env),
         pods_file=PODS_FILE.read(env),
         grpc_port=GRPC_PORT.read(env),
         http_port=HTTP_PORT.read(env),

@@ -52,6 +52,21 @@ class BadRequestHeader(RequestError):
         self.param = name
 
 
+class TooManyHeaders(RequestError):
+    """With the headers the gateway adds, the request would exceed Envoy's header count limit
+    (Envoy would answer an empty 503)."""
+
+    status = 431
+    header = ("x-error-request-header-processing", "true")
+
+    def __init__(self, count: int, added: int, limit: int) -> None:
+        super().__init__(
+            f"too many request headers: {count} as Envoy counts them (its own included) and the "
+            f"{added} the gateway adds exceed its limit of {limit}; send at least "
+            f"{count + added - limit} fewer"
+        )
+
+
 ECHO_LIMIT = 256  # characters of client text an error message repeats
 
 
@@ -152,6 +167,7 @@ _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    431: "invalid_request_error",
     401: "authentication_error",
     429: "rate_limit_error",
     503: "overloaded_error",

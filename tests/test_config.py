@@ -246,6 +246,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_LB_AVOID_FULL_BATCHES": ("maybe", "2"),
     "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": ("0", "-1", "1.5"),
     "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES": ("0", str(2**31), "4MiB"),
+    "HETERO_GATEWAY_MAX_REQUEST_HEADERS": ("15", "10001", "lots"),
     "HETERO_GATEWAY_GRPC_PORT": ("-1", "65536", "http"),
     "HETERO_GATEWAY_HTTP_PORT": ("-1", "65536"),
     "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS": ("0", "0.5"),

@@ -145,6 +145,32 @@ async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     assert MODEL in [m["id"] for m in doc["data"]]
 
 
+async def test_many_request_headers_get_200_or_a_431_never_an_empty_503(fleet: LocalFleet) -> None:
+    """Envoy refuses a mutation that takes a request over its 100-header limit with an empty 503;
+    the plugin counts first and answers 431 with an OpenAI body where its headers would do it."""
+    seen: dict[int, int] = {}
+    async with aiohttp.ClientSession() as session:
+        # Up to 94 extra: beyond, the client's own count passes 100 and Envoy's codec drops the
+        # connection before the plugin sees anything (Envoy's behaviour, not the plugin's).
+        for extra in range(78, 95, 2):
+            headers = {f"x-extra-{i}": "v" for i in range(extra)}
+            async with session.post(
+                f"{fleet.envoy_url}/v1/chat/completions", json=chat(2), headers=headers
+            ) as resp:
+                body = await resp.read()
+                seen[extra] = resp.status
+                if resp.status == 431:
+                    error = orjson.loads(body)["error"]
+                    assert error["type"] == "invalid_request_error"
+                    assert "headers" in error["message"]
+                else:
+                    assert resp.status == 200, (extra, resp.status, body[:200])
+    assert seen[78] == 200 and seen[94] == 431  # both sides of the limit were tried
+    # No gap: once refused, every larger count is refused too.
+    first_refused = min(n for n, status in seen.items() if status == 431)
+    assert all(status == 431 for n, status in seen.items() if n >= first_refused)
+
+
 async def test_only_the_openai_paths_reach_an_engine(fleet: LocalFleet) -> None:
     """An engine's other endpoints are not reachable through the gateway, and an LLM path asked
     with the wrong method is 405: both OpenAI-shaped JSON, neither touching an engine."""

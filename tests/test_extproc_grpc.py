@@ -996,3 +996,30 @@ async def test_predicted_and_actual_latency_reach_metrics(
     }
     assert samples[("hetero_gateway_slo_e2e_ratio_count", None)] == 1
     assert samples[("hetero_gateway_slo_e2e_ratio_bucket", "0.25")] == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "steering", "status"),
+    [(89, 0, None), (90, 0, 431), (90, 3, None)],
+    ids=["at-the-limit", "one-over", "client-steering-headers-are-replaced-not-added"],
+)
+async def test_headers_the_gateway_would_take_over_envoy_s_limit_get_431(
+    running: Running, extra: int, steering: int, status: int | None
+) -> None:
+    """Routing adds target-pod, x-gateway-destination-endpoint, the prompt-tokens header (and
+    routing-strategy when absent): 7 base + `extra` + 4 added must stay within 100."""
+    headers = {f"x-extra-{i}": "v" for i in range(extra - steering)}
+    for name in ("target-pod", "x-gateway-destination-endpoint", "x-hetero-gateway-prompt-tokens")[
+        :steering
+    ]:
+        headers[name] = "10.0.0.9:8000"
+    stream = Stream(running.stub)
+    reply = await stream.send(request_headers(extra=headers))
+    if status is None:
+        assert reply == HEADERS_CONTINUE
+    else:
+        immediate = reply.immediate_response
+        assert immediate.status.code == status
+        assert set_headers(immediate.headers)["x-error-request-header-processing"] == b"true"
+        assert "too many request headers" in orjson.loads(immediate.body)["error"]["message"]
+    await stream.finish()

@@ -32,7 +32,12 @@ from plugin.adapters.steering import (
     TARGET_POD_HEADER,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
-from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, ENVOY_MESSAGE_TIMEOUT_S, MAX_MESSAGE_BYTES
+from plugin.config import (
+    ENVOY_MAX_MESSAGE_TIMEOUT_S,
+    ENVOY_MESSAGE_TIMEOUT_S,
+    MAX_MESSAGE_BYTES,
+    MAX_REQUEST_HEADERS,
+)
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 
 MAX_MESSAGE_ENV = MAX_MESSAGE_BYTES.name
@@ -110,6 +115,8 @@ class EnvoyOptions:
     # Must equal the plugin's gRPC max message size: a BUFFERED body larger than Envoy's buffer
     # gets 413, and one larger than the gRPC limit breaks the ext_proc stream.
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # The HCM's max_headers_count; the plugin reads the same variable (MAX_REQUEST_HEADERS).
+    max_request_headers: int = MAX_REQUEST_HEADERS.default
     # ext_proc `failure_mode_allow`. Refused with ORIGINAL_DST: with the plugin down nothing
     # strips a client's own target-pod header, which would then pick any address.
     fail_open: bool = False
@@ -359,6 +366,9 @@ def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
         "stream_idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
         # 0s disables the whole-request deadline: a long streamed answer must not be cut.
         "request_timeout": "0s",
+        # Envoy's default, stated: the plugin refuses (431) a request its own headers would take
+        # over it (HETERO_GATEWAY_MAX_REQUEST_HEADERS must equal it).
+        "common_http_protocol_options": {"max_headers_count": opts.max_request_headers},
         "route_config": {
             "name": "hetero_gateway_routes",
             "virtual_hosts": [
@@ -646,8 +656,19 @@ def _max_request_bytes_from_env() -> int:
         raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
 
 
+def _max_request_headers_from_env() -> int:
+    from plugin.config import max_request_headers
+    from plugin.errors import ConfigError
+
+    try:
+        return max_request_headers()
+    except ConfigError as exc:
+        raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
+
+
 def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
-    """EnvoyOptions from parsed flags; the env var supplies --max-request-bytes when absent."""
+    """EnvoyOptions from parsed flags; the env vars supply --max-request-bytes when absent and
+    the header count limit (the plugin reads the same variables)."""
     max_bytes = args.max_request_bytes
     if max_bytes is None:
         max_bytes = _max_request_bytes_from_env()
@@ -662,6 +683,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
             message_timeout_s=args.message_timeout,
             max_message_timeout_s=args.max_message_timeout,
             max_request_bytes=max_bytes,
+            max_request_headers=_max_request_headers_from_env(),
             fail_open=args.fail_open,
             count_mode=args.count_mode,
             upstream_connect_timeout_s=args.upstream_connect_timeout,
@@ -676,9 +698,11 @@ def generated_header(opts: EnvoyOptions, out: str | None = None) -> str:
     """First line of a written file: it is generated, and the command that regenerates it."""
     default = EnvoyOptions()
     parts = ["hetero-gateway envoy-config"]
+    if opts.max_request_headers != default.max_request_headers:  # a variable, not a flag
+        parts.insert(0, f"{MAX_REQUEST_HEADERS.name}={opts.max_request_headers}")
     for f in fields(EnvoyOptions):
         value = getattr(opts, f.name)
-        if value == getattr(default, f.name):
+        if value == getattr(default, f.name) or f.name == "max_request_headers":
             continue
         flag = _FLAGS[f.name]
         if isinstance(value, tuple):

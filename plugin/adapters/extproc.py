@@ -34,7 +34,7 @@ from plugin.adapters.steering import (
     PROMPT_TOKENS_HEADER,
     TARGET_POD_HEADER,
 )
-from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S
+from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, MAX_REQUEST_HEADERS
 from plugin.core.request import (
     LLM_PATHS,
     MODELS_PATH,
@@ -48,7 +48,13 @@ from plugin.core.router import Decision, Router, Waiter
 from plugin.core.selector import EXTERNAL_FILTER_HEADER, parse_selector
 from plugin.core.types import Pod
 from plugin.core.usage import UsageScanner
-from plugin.errors import BadRequestBody, MethodNotAllowed, RequestError, error_reply
+from plugin.errors import (
+    BadRequestBody,
+    MethodNotAllowed,
+    RequestError,
+    TooManyHeaders,
+    error_reply,
+)
 
 __all__ = [
     "CountingProcessor",
@@ -61,6 +67,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_HEADERS = MAX_REQUEST_HEADERS.default
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _JSON_HEADERS = (("content-type", "application/json"),)
@@ -80,6 +87,9 @@ _WANTED = frozenset(
 # The steering headers are the plugin's to set: one a client sent is removed on every request,
 # routed or not, so nobody can point Envoy's ORIGINAL_DST cluster at an address of their choice.
 _STEERING_HEADERS = (TARGET_POD_HEADER, DESTINATION_HEADER, PROMPT_TOKENS_HEADER)
+_STEERING_SET = frozenset(_STEERING_HEADERS)
+# Set on a routed request besides the steering headers (added when the client did not send them).
+_ECHOED_UPSTREAM = ("routing-strategy", "x-request-id")
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
@@ -192,14 +202,18 @@ class RoutingProcessor:
         "_decision",
         "_errors",
         "_headers",
+        "_max_headers",
         "_passthrough",
         "_router",
         "_tokens",
     )
 
-    def __init__(self, router: Router, errors: ErrorCounts) -> None:
+    def __init__(
+        self, router: Router, errors: ErrorCounts, max_headers: int = DEFAULT_MAX_HEADERS
+    ) -> None:
         self._router = router
         self._errors = errors
+        self._max_headers = max_headers
         self._headers: dict[str, str] = {}
         self._passthrough = False
         self._body_parts: list[bytes] = []
@@ -235,9 +249,12 @@ class RoutingProcessor:
     def _on_request_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         self._arrived_at = self._router.now()
         headers = self._headers
+        steering = 0  # client-sent steering headers: removed by this reply
         for h in msg.headers.headers:
             if h.key in _WANTED:
                 headers[h.key] = _value(h)
+            elif h.key in _STEERING_SET:
+                steering += 1
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "POST")
         if path == MODELS_PATH and method == "GET":
@@ -249,6 +266,12 @@ class RoutingProcessor:
             return _CONTINUE_REQUEST_HEADERS
         if method != "POST":
             return self._fail(MethodNotAllowed(method, path))
+        # Envoy refuses a mutation that takes the request over its header count limit, with an
+        # empty 503: say so first, in a 431 the client can act on.
+        added = len(_STEERING_HEADERS) + sum(h not in headers for h in _ECHOED_UPSTREAM)
+        count = len(msg.headers.headers)
+        if count - steering + added > self._max_headers:
+            return self._fail(TooManyHeaders(count, added, self._max_headers))
         if msg.end_of_stream:
             return self._fail(BadRequestBody("request body is empty"))
         return _CONTINUE_REQUEST_HEADERS
@@ -420,9 +443,15 @@ class CountingProcessor:
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: Router, hold_timeout_s: float = ENVOY_MAX_MESSAGE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        router: Router,
+        hold_timeout_s: float = ENVOY_MAX_MESSAGE_TIMEOUT_S,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+    ) -> None:
         self.router = router
         self.errors = ErrorCounts()
+        self.max_headers = max_headers
         # Sent before a held request's wait: Envoy then waits this long for the body reply
         # instead of its message_timeout (about 1 s), up to its max_message_timeout.
         timeout = duration_pb2.Duration()
@@ -432,7 +461,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def processor_for(self, first: pb.ProcessingRequest) -> Processor:
         if first.observability_mode:
             return CountingProcessor(self.router)
-        return RoutingProcessor(self.router, self.errors)
+        return RoutingProcessor(self.router, self.errors, self.max_headers)
 
     async def Process(
         self,

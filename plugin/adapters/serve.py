@@ -132,7 +132,9 @@ class Gateway:
             max_waiting=settings.max_waiting,
         )
         # A held request's reply may take up to the longest hold; 1 s more covers the answer.
-        self.servicer = ExtProcServicer(self.router, settings.slo.max_wait_s + 1.0)
+        self.servicer = ExtProcServicer(
+            self.router, settings.slo.max_wait_s + 1.0, settings.max_request_headers
+        )
         self.scraper = MetricsScraper(
             self.pool,
             interval_s=settings.metric_refresh_interval_s,
