@@ -8,6 +8,7 @@ deltas.
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from typing import Any
 
@@ -169,6 +170,33 @@ async def test_many_request_headers_get_200_or_a_431_never_an_empty_503(fleet: L
     # No gap: once refused, every larger count is refused too.
     first_refused = min(n for n, status in seen.items() if status == 431)
     assert all(status == 431 for n, status in seen.items() if n >= first_refused)
+
+
+async def test_a_body_over_the_limit_gets_envoy_s_413_in_openai_shape(fleet: LocalFleet) -> None:
+    """Envoy refuses a body over its buffer limit itself (the plugin never sees it): the reply
+    is still OpenAI JSON, while the plugin's own errors pass through as it wrote them."""
+    too_big = b'{"model": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{fleet.envoy_url}/v1/chat/completions",
+            data=io.BytesIO(too_big),  # aiohttp warns on large raw bytes
+            headers={"content-type": "application/json"},
+        ) as resp:
+            assert resp.status == 413
+            error = (await resp.json())["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+        async with session.post(
+            f"{fleet.envoy_url}/v1/chat/completions", json={"model": "nope", "messages": []}
+        ) as resp:
+            assert resp.status == 400  # the plugin's reply, untouched by the mapper
+            assert (await resp.json()) == {
+                "error": {
+                    "message": "model nope does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            }
 
 
 async def test_only_the_openai_paths_reach_an_engine(fleet: LocalFleet) -> None:
@@ -375,3 +403,8 @@ async def test_plugin_down_fail_closed_answers_503(fleet: LocalFleet) -> None:
     ):
         assert resp.status == 503
         assert "x-mock-engine" not in resp.headers
+        # Envoy's own reply, in OpenAI's error shape (its local-reply mapper), not empty.
+        assert resp.headers["content-type"] == "application/json"
+        error = (await resp.json())["error"]
+        assert (error["type"], error["code"]) == ("overloaded_error", "service_unavailable")
+        assert "ext_proc" in error["message"]  # says which failure it was

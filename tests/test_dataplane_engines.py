@@ -96,3 +96,19 @@ async def test_a_dead_engine_costs_no_burst_and_is_back_within_seconds(tmp_path:
         await fleet.restart_engine(engine)
         assert await _until(fleet, name, False, DETECT_S) < DETECT_S
         assert (await _served_by(fleet, 6))[name] > 0
+
+
+async def test_the_503_for_an_engine_that_refuses_is_openai_json(tmp_path: Path) -> None:
+    """The only engine is gone: Envoy's own 503 (connection refused) reaches the client in
+    OpenAI's error shape, saying what failed."""
+    spec = FleetSpec(model=MODEL, presets=("a100",), listen_port=free_port())
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        await fleet.stop_process(fleet.engines[0].proc)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{fleet.envoy_url}/v1/chat/completions", json=chat_body(MODEL, 2)) as r,
+        ):
+            assert r.status == 503 and r.headers["content-type"] == "application/json"
+            error = (await r.json())["error"]
+    assert (error["type"], error["code"]) == ("overloaded_error", "service_unavailable")
+    assert "connection" in error["message"]

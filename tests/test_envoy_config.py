@@ -67,7 +67,19 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
     ]
     not_found = routes[-1]["direct_response"]
     assert not_found["status"] == 404
-    assert json.loads(not_found["body"]["inline_string"])["error"]["code"] == "not_found"
+    assert not_found["body"]["inline_string"].startswith("not found: this gateway serves")
+    # Envoy's own replies (this 404 included) become OpenAI JSON through the local-reply
+    # mappers; each skips replies carrying the plugin's metadata (its own, already JSON).
+    mappers = bootstrap_hcm(boot)["local_reply_config"]["mappers"]
+    statuses = []
+    for mapper in mappers:
+        status_filter, plugin_filter = mapper["filter"]["and_filter"]["filters"]
+        assert plugin_filter["metadata_filter"]["matcher"]["filter"] == "hetero_gateway"
+        assert plugin_filter["metadata_filter"]["match_if_key_not_found"] is True
+        statuses.append(json.dumps(status_filter, sort_keys=True))
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+    assert len(set(statuses)) == len(mappers)
 
 
 @pytest.mark.parametrize(
@@ -99,7 +111,8 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
     }
-    assert cfg["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    namespaces = cfg["metadata_options"]["receiving_namespaces"]["untyped"]
+    assert namespaces == ["envoy.lb", "hetero_gateway"]
     assert cfg["message_timeout"] == "1s"  # a hung plugin stalls a request this long at most
     assert cfg["max_message_timeout"] == "60s"  # a held request's reply may take this long
     assert cfg["failure_mode_allow"] is False

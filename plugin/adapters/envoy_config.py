@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import os
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ import yaml
 from plugin.adapters.steering import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    REPLY_METADATA_NAMESPACE,
     TARGET_POD_HEADER,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
@@ -259,7 +259,12 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
             "allow_mode_override": False,
             # Dynamic metadata from the plugin is dropped unless its namespace is listed here;
             # `envoy.lb` / `x-gateway-destination-endpoint` is the Inference Extension protocol.
-            "metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}},
+            # REPLY_METADATA_NAMESPACE marks the plugin's own error replies (see _LOCAL_REPLIES).
+            "metadata_options": {
+                "receiving_namespaces": {
+                    "untyped": [LB_METADATA_NAMESPACE, REPLY_METADATA_NAMESPACE]
+                }
+            },
         },
     }
 
@@ -312,16 +317,84 @@ def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any
 # engine's other endpoints (its /metrics, LoRA loading, admin routes) are never reachable through
 # the gateway, in either wiring.
 OPENAI_PATHS = (*sorted(LLM_PATHS), MODELS_PATH)
-NOT_FOUND_BODY = json.dumps(
-    {
-        "error": {
-            "message": "not found: this gateway serves " + ", ".join(OPENAI_PATHS),
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "not_found",
+NOT_FOUND_MESSAGE = "not found: this gateway serves " + ", ".join(OPENAI_PATHS)
+
+# Envoy's own error replies (413 body too large, 503 no healthy upstream or connection refused,
+# 503 while the plugin is unreachable, 431, 404 for other paths) are text or empty; a local-reply
+# mapper rewrites each into OpenAI's error shape. The plugin's own ImmediateResponses are local
+# replies too, already in that shape: they carry dynamic metadata REPLY_METADATA_NAMESPACE.reply
+# (`plugin.adapters.extproc`), and a mapper applies only where it is absent.
+_LOCAL_REPLIES = (
+    # (statuses, OpenAI type, code, message); %LOCAL_REPLY_BODY% is Envoy's own text, and
+    # %RESPONSE_CODE_DETAILS% says which of its failures it was.
+    ((404, 404), "invalid_request_error", "not_found", "%LOCAL_REPLY_BODY%"),
+    (
+        (413, 413),
+        "invalid_request_error",
+        "request_too_large",
+        "request body larger than the gateway accepts (%RESPONSE_CODE_DETAILS%)",
+    ),
+    (
+        (503, 503),
+        "overloaded_error",
+        "service_unavailable",
+        "no replica could take the request (%RESPONSE_CODE_DETAILS%) %LOCAL_REPLY_BODY%",
+    ),
+    ((500, 599), "api_error", None, "gateway error (%RESPONSE_CODE_DETAILS%) %LOCAL_REPLY_BODY%"),
+    (
+        (400, 499),
+        "invalid_request_error",
+        None,
+        "request refused by the gateway (%RESPONSE_CODE_DETAILS%) %LOCAL_REPLY_BODY%",
+    ),
+)
+
+
+def _status_between(low: int, high: int) -> dict[str, Any]:
+    def bound(op: str, value: int) -> dict[str, Any]:
+        return {
+            "status_code_filter": {
+                "comparison": {
+                    "op": op,
+                    # The runtime key is required by the API; nothing sets it.
+                    "value": {"default_value": value, "runtime_key": "hetero_gateway.unused"},
+                }
+            }
+        }
+
+    if low == high:
+        return bound("EQ", low)
+    return {"and_filter": {"filters": [bound("GE", low), bound("LE", high)]}}
+
+
+def _local_reply_config() -> dict[str, Any]:
+    not_the_plugins = {
+        "metadata_filter": {
+            "matcher": {
+                "filter": REPLY_METADATA_NAMESPACE,
+                "path": [{"key": "reply"}],
+                "value": {"present_match": False},
+            },
+            # Absent (Envoy's own reply): match. Present (the plugin's): present_match false
+            # does not match it, so the reply passes through as the plugin wrote it.
+            "match_if_key_not_found": True,
         }
     }
-)
+    mappers = []
+    for (low, high), kind, code, message in _LOCAL_REPLIES:
+        mappers.append(
+            {
+                "filter": {
+                    "and_filter": {"filters": [_status_between(low, high), not_the_plugins]}
+                },
+                "body_format_override": {
+                    "json_format": {
+                        "error": {"message": message, "type": kind, "param": None, "code": code}
+                    },
+                },
+            }
+        )
+    return {"mappers": mappers}
 
 
 def _routes(cluster: str, layout: BenchLayout) -> list[dict[str, Any]]:
@@ -338,13 +411,8 @@ def _routes(cluster: str, layout: BenchLayout) -> list[dict[str, Any]]:
         *({"match": {"path": path}, "route": forward} for path in OPENAI_PATHS),
         {
             "match": {"prefix": "/"},
-            "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_BODY}},
-            "response_headers_to_add": [
-                {
-                    "header": {"key": "content-type", "value": "application/json"},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                }
-            ],
+            # Text: the local-reply mapper wraps it in OpenAI's error shape, as Envoy's others.
+            "direct_response": {"status": 404, "body": {"inline_string": NOT_FOUND_MESSAGE}},
         },
     ]
 
@@ -369,6 +437,7 @@ def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
         # Envoy's default, stated: the plugin refuses (431) a request its own headers would take
         # over it (HETERO_GATEWAY_MAX_REQUEST_HEADERS must equal it).
         "common_http_protocol_options": {"max_headers_count": opts.max_request_headers},
+        "local_reply_config": _local_reply_config(),
         "route_config": {
             "name": "hetero_gateway_routes",
             "virtual_hosts": [

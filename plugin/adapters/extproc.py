@@ -32,6 +32,7 @@ from plugin.adapters.steering import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     PROMPT_TOKENS_HEADER,
+    REPLY_METADATA_NAMESPACE,
     TARGET_POD_HEADER,
 )
 from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, MAX_REQUEST_HEADERS
@@ -111,6 +112,12 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
+# Marks the plugin's own replies for Envoy: its local-reply mappers (which turn Envoy's own error
+# texts into OpenAI JSON) leave a reply carrying this alone (envoy_config._local_reply_config).
+_PLUGIN_REPLY = struct_pb2.Struct()
+_PLUGIN_REPLY.fields[REPLY_METADATA_NAMESPACE].struct_value.fields["reply"].string_value = "plugin"
+
+
 def _immediate(
     status: int, body: bytes, headers: Iterable[tuple[str, str]], details: str
 ) -> pb.ProcessingResponse:
@@ -120,7 +127,8 @@ def _immediate(
             headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
             body=body,
             details=details,
-        )
+        ),
+        dynamic_metadata=_PLUGIN_REPLY,
     )
 
 

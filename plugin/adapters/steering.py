@@ -8,3 +8,6 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 # The routing filter tells the counting filter the request's estimated prompt size, so a counted
 # response teaches the output-length history (SLO routing) what size of request it answered.
 PROMPT_TOKENS_HEADER = "x-hetero-gateway-prompt-tokens"
+# Dynamic metadata on the plugin's own error replies: Envoy's local-reply mappers, which turn
+# Envoy's own error texts into OpenAI JSON, leave a reply that carries it as the plugin wrote it.
+REPLY_METADATA_NAMESPACE = "hetero_gateway"
