@@ -137,3 +137,42 @@ async def test_a_request_held_longer_than_the_message_timeout_is_served(tmp_path
     # It waited for the first to end: longer than Envoy's message timeout, and still served.
     assert took2 > ENVOY_MESSAGE_TIMEOUT_S + 0.5
     assert took2 > took1 - 0.3
+
+
+async def _stream(url: str) -> tuple[int, bool, dict[str, str]]:
+    """One long streamed chat completion: (status, ended with [DONE], response headers)."""
+    body = chat_body(MODEL, 200, stream=True)
+    timeout = aiohttp.ClientTimeout(total=90)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(f"{url}/v1/chat/completions", json=body) as resp,
+        ):
+            text = (await resp.read()).decode()
+            return resp.status, text.rstrip().endswith("data: [DONE]"), dict(resp.headers)
+    except aiohttp.ClientPayloadError:
+        return 200, False, {}  # cut mid-stream
+
+
+async def test_a_plugin_crash_cuts_no_running_generation(tmp_path: Path) -> None:
+    """kill -9 of the plugin with generations streaming through the default (fail-closed)
+    wiring: the routing stream ended at the pick, so Envoy has nothing to fail them with."""
+    spec = FleetSpec(
+        model=MODEL,
+        presets=("a100", "l20"),
+        time_scale=3.0,  # 200 tokens take several seconds
+        tokens_per_chunk=1,
+        listen_port=free_port(),
+    )
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        streams = [asyncio.create_task(_stream(fleet.envoy_url)) for _ in range(8)]
+        await asyncio.sleep(1.5)  # all are generating
+        assert fleet.plugin is not None
+        fleet.plugin.kill()  # SIGKILL: no drain
+        results = await asyncio.gather(*streams)
+        # The AIBrix response headers still come (from Envoy's route now).
+        for status, complete, headers in results:
+            assert status == 200 and complete
+            assert {"request-id", "routing-strategy", "target-pod", "target-pod-ip"} <= set(headers)
+        await fleet.start_plugin()
+        await _routed_again(fleet)

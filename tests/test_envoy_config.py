@@ -83,19 +83,25 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
 
 
 @pytest.mark.parametrize(
-    ("count_mode", "names", "routing_body_mode"),
+    ("count_mode", "names", "routing_body_mode", "routing_header_mode"),
     [
         (
             "observe",
             ["envoy.filters.http.ext_proc", ec.COUNT_FILTER, "envoy.filters.http.router"],
             "NONE",
+            "SKIP",  # pick only: the counting filter sees the response
         ),
-        ("streamed", ["envoy.filters.http.ext_proc", "envoy.filters.http.router"], "STREAMED"),
+        (
+            "streamed",
+            ["envoy.filters.http.ext_proc", "envoy.filters.http.router"],
+            "STREAMED",
+            "SEND",
+        ),
     ],
     ids=["observe", "streamed"],
 )
 def test_ext_proc_filter_modes_metadata_and_timeouts(
-    count_mode: str, names: list[str], routing_body_mode: str
+    count_mode: str, names: list[str], routing_body_mode: str, routing_header_mode: str
 ) -> None:
     boot = render_bootstrap(EnvoyOptions(count_mode=count_mode))
     filters = bootstrap_hcm(boot)["http_filters"]
@@ -106,7 +112,7 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
     assert cfg["processing_mode"] == {
         "request_header_mode": "SEND",
         "request_body_mode": "BUFFERED",
-        "response_header_mode": "SEND",
+        "response_header_mode": routing_header_mode,
         "response_body_mode": routing_body_mode,
         "request_trailer_mode": "SKIP",
         "response_trailer_mode": "SKIP",
@@ -118,6 +124,17 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
     assert cfg["failure_mode_allow"] is False
     assert cfg["status_on_error"] == {"code": 503}
     assert cfg["allow_mode_override"] is False
+    routes = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"]
+    added = {h["header"]["key"] for h in routes[0].get("response_headers_to_add", [])}
+    if count_mode == "observe":
+        # The plugin learns from gRPC metadata that this filter only picks; the response
+        # headers it set in its response-headers reply come from the route instead.
+        assert cfg["grpc_service"]["initial_metadata"] == [
+            {"key": "x-hetero-gateway-routing", "value": "pick-only"}
+        ]
+        assert added == {"request-id", "routing-strategy", "target-pod", "target-pod-ip"}
+    else:
+        assert "initial_metadata" not in cfg["grpc_service"] and not added
     if count_mode == "observe":
         count = filters[1]["typed_config"]
         assert count["observability_mode"] is True

@@ -1023,3 +1023,81 @@ async def test_headers_the_gateway_would_take_over_envoy_s_limit_get_431(
         assert set_headers(immediate.headers)["x-error-request-header-processing"] == b"true"
         assert "too many request headers" in orjson.loads(immediate.body)["error"]["message"]
     await stream.finish()
+
+
+PICK_ONLY = (("x-hetero-gateway-routing", "pick-only"),)
+
+
+async def _pick(r: Running, request_id: str) -> str:
+    """A pick-only routing stream: the plugin answers the body and ends the stream itself."""
+    call = r.stub.Process(metadata=PICK_ONLY)
+    await call.write(request_headers(request_id=request_id))
+    async with asyncio.timeout(WAIT_S):
+        assert await call.read() == HEADERS_CONTINUE
+        await call.write(request_body(CHAT_BODY))
+        reply = await call.read()
+        target = set_headers(reply.request_body.response.header_mutation)["target-pod"]
+        pod_name = reply.dynamic_metadata.fields["hetero_gateway"].struct_value.fields["pod"]
+        assert pod_name.string_value == r.pods[target.decode()].name  # for the route's header
+        assert await call.read() is grpc.aio.EOF  # ended by the plugin, not by Envoy
+        assert await call.code() == grpc.StatusCode.OK
+    return target.decode()
+
+
+def _counting(
+    endpoint: str, request_id: str, status: int, tokens: int
+) -> list[pb.ProcessingRequest]:
+    headers = request_headers(request_id=request_id)
+    headers.request_headers.headers.headers.append(
+        base_pb2.HeaderValue(key="target-pod", raw_value=endpoint.encode())
+    )
+    return [
+        _observed(headers),
+        _observed(response_headers(status)),
+        *(_observed(response_body(c)) for c in sse_chunks(tokens)),
+        _observed(response_body(b"", end_of_stream=True)),
+    ]
+
+
+async def test_pick_only_routing_hands_its_lease_to_the_counting_stream(running: Running) -> None:
+    """With the pick-only wiring the routing stream ends at the pick (a plugin crash can no
+    longer cut the response) and the counting stream of the same request holds the lease:
+    in flight until the response ends, released with its tokens and status."""
+    pool = running.gateway.pool
+    endpoint = await _pick(running, "req-a")
+    key = running.key_of(endpoint)
+    assert pool.inflight(key) == 1 and len(running.gateway.servicer.handoff) == 1
+    call = running.stub.Process(iter(_counting(endpoint, "req-a", 200, 9)))
+    async with asyncio.timeout(WAIT_S):
+        assert [r async for r in call] == []
+    await eventually(lambda: pool.inflight(key) == 0, "the counting stream to release it")
+    assert pool.output_tokens_total(key) == 9 and pool.routed_total(key) == 1
+    assert len(running.gateway.servicer.handoff) == 0
+
+
+async def test_a_lease_no_counting_stream_claims_is_given_back(running: Running) -> None:
+    running.gateway.servicer.handoff._timeout_s = 0.2  # the default is 10 s
+    pool = running.gateway.pool
+    key = running.key_of(await _pick(running, "req-b"))
+    assert pool.inflight(key) == 1
+    await eventually(lambda: pool.inflight(key) == 0, "the parked lease to expire")
+    assert running.gateway.servicer.handoff.expired == 1
+
+
+async def test_a_5xx_seen_by_the_counting_stream_counts_toward_ejection(running: Running) -> None:
+    pool = running.gateway.pool
+    now = running.gateway.router.now
+    for i in range(12):
+        endpoint = await _pick(running, f"req-{i}")
+        call = running.stub.Process(iter(_counting(endpoint, f"req-{i}", 503, 0)))
+        async with asyncio.timeout(WAIT_S):
+            assert [r async for r in call] == []
+        key = running.key_of(endpoint)
+
+        def released(key: str = key) -> bool:
+            return pool.inflight(key) == 0
+
+        await eventually(released, "the release")
+        if pool.ejected(key, now()):
+            return
+    raise AssertionError("no pod was ejected after 12 upstream 503s")

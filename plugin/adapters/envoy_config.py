@@ -28,6 +28,7 @@ import yaml
 from plugin.adapters.steering import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    PICK_ONLY,
     REPLY_METADATA_NAMESPACE,
     TARGET_POD_HEADER,
 )
@@ -223,8 +224,26 @@ def _circuit_breakers() -> dict[str, Any]:
     }
 
 
+def _pick_only(opts: EnvoyOptions, layout: BenchLayout) -> bool:
+    """The routing filter only picks (no response phase) when a counting filter follows it:
+    its stream then ends at the pick, so a plugin crash cannot cut a streaming response."""
+    return layout.plugin and layout.count and opts.count_mode == "observe"
+
+
+# Response headers AIBrix's gateway returns, added by Envoy's route when the routing filter only
+# picks (else the plugin sets them in its response-headers reply): from the request headers the
+# plugin set and the pod name it put in dynamic metadata. Empty values are left out (unrouted).
+_ROUTED_RESPONSE_HEADERS = (
+    ("request-id", "%REQ(x-request-id)%"),
+    ("routing-strategy", "%REQ(routing-strategy)%"),
+    (TARGET_POD_HEADER, f"%DYNAMIC_METADATA({REPLY_METADATA_NAMESPACE}:pod)%"),
+    ("target-pod-ip", f"%REQ({TARGET_POD_HEADER})%"),
+)
+
+
 def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
     streamed = opts.count_mode == "streamed" and layout.count
+    pick_only = _pick_only(opts, layout)
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -234,6 +253,12 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
                 # Not a deadline on the stream's life (checked on Envoy 1.40: 1 s did not cut a
                 # 3 s streamed answer); waits for each reply are bounded by message_timeout.
                 "timeout": _duration(opts.message_timeout_s),
+                # Tells the plugin this filter only picks (plugin.adapters.extproc).
+                **(
+                    {"initial_metadata": [{"key": PICK_ONLY[0], "value": PICK_ONLY[1]}]}
+                    if pick_only
+                    else {}
+                ),
             },
             "failure_mode_allow": opts.fail_open,
             # Fail-closed answers a prompt 503 (the plugin cannot route) instead of Envoy's
@@ -246,7 +271,8 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
                 # BUFFERED: the pick (a header mutation in the body reply) steers correctly even
                 # when the body arrives late; STREAMED / BUFFERED_PARTIAL can route wrongly.
                 "request_body_mode": "BUFFERED" if layout.request_body else "NONE",
-                "response_header_mode": "SEND",
+                # Pick only: no response phase; the counting filter reads the status.
+                "response_header_mode": "SKIP" if pick_only else "SEND",
                 # STREAMED: the plugin sees every SSE chunk as it arrives (token usage) without
                 # Envoy holding the whole response. In "observe" mode the counting filter sees
                 # them instead. Either way this filter's stream lives until the response ends
@@ -397,7 +423,7 @@ def _local_reply_config() -> dict[str, Any]:
     return {"mappers": mappers}
 
 
-def _routes(cluster: str, layout: BenchLayout) -> list[dict[str, Any]]:
+def _routes(cluster: str, layout: BenchLayout, pick_only: bool) -> list[dict[str, Any]]:
     forward = {
         "cluster": cluster,
         # Route timeout counts the whole streamed response (default 15 s cuts long generations
@@ -407,8 +433,16 @@ def _routes(cluster: str, layout: BenchLayout) -> list[dict[str, Any]]:
     }
     if layout.upstream is not None:  # bench: one static upstream, every path
         return [{"match": {"prefix": "/"}, "route": forward}]
+    headers = [
+        {
+            "header": {"key": key, "value": value},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+        for key, value in _ROUTED_RESPONSE_HEADERS
+    ]
+    routed = {"response_headers_to_add": headers} if pick_only else {}
     return [
-        *({"match": {"path": path}, "route": forward} for path in OPENAI_PATHS),
+        *({"match": {"path": path}, "route": forward, **routed} for path in OPENAI_PATHS),
         {
             "match": {"prefix": "/"},
             # Text: the local-reply mapper wraps it in OpenAI's error shape, as Envoy's others.
@@ -441,7 +475,11 @@ def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
         "route_config": {
             "name": "hetero_gateway_routes",
             "virtual_hosts": [
-                {"name": "llm", "domains": ["*"], "routes": _routes(cluster, layout)}
+                {
+                    "name": "llm",
+                    "domains": ["*"],
+                    "routes": _routes(cluster, layout, _pick_only(opts, layout)),
+                }
             ],
         },
         "http_filters": _http_filters(opts, layout),

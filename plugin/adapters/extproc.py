@@ -31,6 +31,7 @@ from google.protobuf import duration_pb2, struct_pb2
 from plugin.adapters.steering import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    PICK_ONLY,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
     TARGET_POD_HEADER,
@@ -201,6 +202,70 @@ class Processor(Protocol):
     def close(self) -> None: ...
 
 
+# With PICK_ONLY in its gRPC metadata (the rendered Envoy config sends it when a counting filter
+# follows and the routing filter asks for no response phase), the routing stream ends once the
+# pick is made and the counting stream holds the lease: a plugin crash then cannot cut responses
+# already streaming (Envoy resets a request whose fail-closed ext_proc stream breaks, even with
+# nothing left to ask). Without it (another Envoy config, Envoy Gateway, plugin replicas behind
+# one cluster) the routing stream holds the lease to the end.
+# How long a parked lease waits for its counting stream, which starts a moment after the pick;
+# one never claimed (no counting filter after all) is given back then.
+HANDOFF_TIMEOUT_S = 10.0
+
+_HandoffKey: TypeAlias = tuple[str, str]  # (request id, IP:PORT of the pod)
+
+
+class LeaseHandoff:
+    """Leases the routing stream passed to the counting stream of the same request.
+
+    Keyed by request id and pod endpoint (both in the counting stream's request headers, set by
+    the routing filter); two concurrent requests with the same client-sent id on the same pod
+    hold interchangeable leases, so a queue per key is exact enough.
+    """
+
+    __slots__ = ("_parked", "_router", "_timeout_s", "expired")
+
+    def __init__(self, router: Router, timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
+        self._router = router
+        self._timeout_s = timeout_s
+        self._parked: dict[_HandoffKey, list[tuple[Decision, asyncio.TimerHandle]]] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._parked.values())
+
+    def park(self, key: _HandoffKey, decision: Decision) -> None:
+        timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire, key, decision)
+        self._parked.setdefault(key, []).append((decision, timer))
+
+    def claim(self, key: _HandoffKey) -> Decision | None:
+        queue = self._parked.get(key)
+        if not queue:
+            return None
+        decision, timer = queue.pop(0)
+        timer.cancel()
+        if not queue:
+            del self._parked[key]
+        return decision
+
+    def _expire(self, key: _HandoffKey, decision: Decision) -> None:
+        queue = self._parked.get(key, [])
+        for i, (parked, _) in enumerate(queue):
+            if parked is decision:
+                del queue[i]
+                break
+        if not queue:
+            self._parked.pop(key, None)
+        self.expired += 1
+        decision.lease.release(0, 0, self._router.now())
+        log.warning(
+            "no counting stream claimed request %s within %.0f s: its in-flight slot is given "
+            "back (is the counting filter configured after the routing filter?)",
+            key[0],
+            self._timeout_s,
+        )
+
+
 class RoutingProcessor:
     """The routing filter's stream: route the request, hold its lease until the response ends."""
 
@@ -209,19 +274,27 @@ class RoutingProcessor:
         "_body_parts",
         "_decision",
         "_errors",
+        "_handoff",
         "_headers",
         "_max_headers",
         "_passthrough",
         "_router",
         "_tokens",
+        "finished",
     )
 
     def __init__(
-        self, router: Router, errors: ErrorCounts, max_headers: int = DEFAULT_MAX_HEADERS
+        self,
+        router: Router,
+        errors: ErrorCounts,
+        max_headers: int = DEFAULT_MAX_HEADERS,
+        handoff: LeaseHandoff | None = None,
     ) -> None:
         self._router = router
         self._errors = errors
         self._max_headers = max_headers
+        self._handoff = handoff  # set: pick only, the counting stream takes the lease
+        self.finished = False  # nothing more to do: the servicer ends the stream
         self._headers: dict[str, str] = {}
         self._passthrough = False
         self._body_parts: list[bytes] = []
@@ -344,8 +417,13 @@ class RoutingProcessor:
         return self._routed(decision)
 
     def _routed(self, decision: Decision) -> pb.ProcessingResponse:
-        self._decision = decision
         endpoint = decision.lease.pod.endpoint
+        if self._handoff is not None:
+            # Pick only: the counting stream of this request takes the lease from here.
+            self._handoff.park((decision.request.request_id, endpoint), decision)
+            self.finished = True
+        else:
+            self._decision = decision
         mutation = pb.HeaderMutation(
             set_headers=[
                 _header(TARGET_POD_HEADER, endpoint),
@@ -359,6 +437,10 @@ class RoutingProcessor:
         metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_HEADER
         ].string_value = endpoint
+        if self._handoff is not None:  # Envoy's route adds the `target-pod` response header
+            metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields[
+                "pod"
+            ].string_value = decision.lease.pod.name
         return pb.ProcessingResponse(
             request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation)),
             dynamic_metadata=metadata,
@@ -415,10 +497,12 @@ class CountingProcessor:
     counting here only credits tokens, once, when the body ends or the stream closes.
     """
 
-    __slots__ = ("_pod", "_prompt_tokens", "_router", "_tokens")
+    __slots__ = ("_decision", "_handoff", "_pod", "_prompt_tokens", "_router", "_tokens")
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, handoff: LeaseHandoff | None = None) -> None:
         self._router = router
+        self._handoff = handoff
+        self._decision: Decision | None = None  # the lease the routing stream passed on
         self._pod: Pod | None = None
         self._prompt_tokens = 0
         self._tokens = ResponseTokens()
@@ -431,23 +515,35 @@ class CountingProcessor:
             if body.end_of_stream:
                 self.close()
         elif phase == "request_headers":
+            endpoint = request_id = ""
             for h in req.request_headers.headers.headers:
                 if h.key == TARGET_POD_HEADER:
-                    self._pod = self._router.pool.pod_by_endpoint(_value(h))
+                    endpoint = _value(h)
+                    self._pod = self._router.pool.pod_by_endpoint(endpoint)
                 elif h.key == PROMPT_TOKENS_HEADER:
                     text = _value(h)
                     ok = text.isascii() and text.isdigit() and len(text) < 10
                     self._prompt_tokens = int(text) if ok else 0
+                elif h.key == "x-request-id":
+                    request_id = _value(h)
+            if self._handoff is not None and endpoint:
+                self._decision = self._handoff.claim((request_id, endpoint))
         elif phase == "response_headers" and self._pod is not None:
             self._tokens.status = _status(req.response_headers)
 
     def close(self) -> None:
-        pod = self._pod
-        self._pod = None  # once
-        if pod is not None:
-            output = self._tokens.output_tokens()
+        pod, decision = self._pod, self._decision
+        self._pod = self._decision = None  # once
+        output = self._tokens.output_tokens()
+        status = self._tokens.status
+        if decision is not None:  # this stream holds the request's lease: end it
+            decision.lease.release(output, status, self._router.now())
+            request = decision.request
+            self._router.completed(request.model, request.prompt_tokens, output, status)
+            self._router.finished(decision, status)
+        elif pod is not None:
             self._router.pool.credit_tokens(pod.key, output)
-            self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
+            self._router.completed(pod.model, self._prompt_tokens, output, status)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -465,11 +561,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         timeout = duration_pb2.Duration()
         timeout.FromMilliseconds(round(hold_timeout_s * 1000))
         self._hold_notice = pb.ProcessingResponse(override_message_timeout=timeout)
+        self.handoff = LeaseHandoff(router)
 
-    def processor_for(self, first: pb.ProcessingRequest) -> Processor:
+    def processor_for(self, first: pb.ProcessingRequest, pick_only: bool = False) -> Processor:
         if first.observability_mode:
-            return CountingProcessor(self.router)
-        return RoutingProcessor(self.router, self.errors, self.max_headers)
+            return CountingProcessor(self.router, self.handoff)
+        handoff = self.handoff if pick_only else None
+        return RoutingProcessor(self.router, self.errors, self.max_headers, handoff)
 
     async def Process(
         self,
@@ -480,7 +578,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             async for req in request_iterator:
                 if processor is None:
-                    processor = self.processor_for(req)
+                    metadata = context.invocation_metadata() or ()
+                    processor = self.processor_for(req, PICK_ONLY in tuple(metadata))
                 reply = processor.handle(req)
                 if reply is None:
                     continue
@@ -488,6 +587,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield self._hold_notice  # a held request: Envoy must wait longer for it
                     reply = await reply
                 yield reply
+                if getattr(processor, "finished", False):
+                    return  # pick only: the stream ends, the counting stream has the lease
         finally:
             if processor is not None:
                 processor.close()

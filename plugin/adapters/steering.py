@@ -11,3 +11,7 @@ PROMPT_TOKENS_HEADER = "x-hetero-gateway-prompt-tokens"
 # Dynamic metadata on the plugin's own error replies: Envoy's local-reply mappers, which turn
 # Envoy's own error texts into OpenAI JSON, leave a reply that carries it as the plugin wrote it.
 REPLY_METADATA_NAMESPACE = "hetero_gateway"
+# gRPC metadata on the routing filter's streams when a counting filter follows it and the
+# routing filter asks for no response phase: the plugin ends the routing stream at the pick and
+# the counting stream holds the request's in-flight lease (plugin.adapters.extproc).
+PICK_ONLY = ("x-hetero-gateway-routing", "pick-only")
