@@ -6,6 +6,8 @@ capacity refresh are checked by moving time, never by sleeping.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import socket
 from collections.abc import Awaitable, Callable
@@ -23,7 +25,7 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.strategies import Route, build_strategies
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
-from tests.helpers import ServeApp
+from tests.helpers import ServeApp, eventually
 
 pytestmark = pytest.mark.component
 
@@ -475,3 +477,30 @@ async def test_a_redirect_is_not_followed(
     await scraper.tick(http)
     assert target.hits == 0
     assert scraper.errors_total == {pod.key: 1}
+
+
+async def test_a_failed_request_probes_its_engine_at_once(serve: ServeFn) -> None:
+    """A 5xx on a pod makes the scraper scrape it now, not at its next tick: an engine that
+    stopped answering leaves rotation after one failed request."""
+    engine = await serve(Engine(port=0))
+    a, b = _pod("a", engine.port), _pod("b", engine.port)
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([a, b])
+    scraper = MetricsScraper(pool, interval_s=3600.0, timeout_s=2.0)  # one tick, at start
+    pool.on_failure = scraper.probe
+    running = asyncio.create_task(scraper.run())
+    try:
+        await eventually(lambda: engine.hits == 2, "the first tick")
+        engine.status = 503  # the engine behind `a` stops answering
+        pool.acquire(a).release(0, 503, 1.0)
+        await eventually(lambda: pool.unreachable(a.key), "the probe of a")
+        assert engine.hits == 3 and not pool.unreachable(b.key)
+        pool.acquire(a).release(0, 503, 1.0)  # another failure while out: probed again
+        await eventually(lambda: engine.hits == 4, "a second probe")
+        engine.status = 200
+        pool.acquire(a).release(0, 502, 1.0)
+        await eventually(lambda: not pool.unreachable(a.key), "a back once it answers")
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running

@@ -98,6 +98,9 @@ class MetricsScraper:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
         self._failing: set[str] = set()
+        self._session: aiohttp.ClientSession | None = None  # while `run` runs
+        self._probing: set[str] = set()
+        self._probes: set[asyncio.Task[None]] = set()  # held: a task must not be collected
         self.errors_total: dict[str, int] = {}
         # Parsed once per pod address: building a URL from text on every scrape of every pod
         # is a noticeable share of a tick at a thousand pods.
@@ -170,10 +173,28 @@ class MetricsScraper:
             del self.errors_total[key]
         self._failing &= present
 
+    def probe(self, pod: Pod) -> None:
+        """Scrape this pod now, outside the tick (a request on it just failed): a dead engine
+        refuses at once and leaves rotation, instead of taking requests until the next tick.
+        At most one probe per pod at a time; nothing before `run` has opened its session."""
+        session = self._session
+        if session is None or pod.key in self._probing:
+            return
+        self._probing.add(pod.key)
+        task = asyncio.get_running_loop().create_task(self._scrape(session, pod))
+        self._probes.add(task)
+
+        def done(t: asyncio.Task[None], key: str = pod.key) -> None:
+            self._probes.discard(t)
+            self._probing.discard(key)
+
+        task.add_done_callback(done)
+
     async def run(self) -> None:
         # No connector limit (see MAX_CONCURRENT_SCRAPES); each pod keeps its connection alive
         # between ticks.
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            self._session = session
             next_at = self._clock()
             while True:
                 try:

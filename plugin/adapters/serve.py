@@ -140,6 +140,7 @@ class Gateway:
             interval_s=settings.metric_refresh_interval_s,
             timeout_s=settings.scrape_timeout_s,
         )
+        self.pool.on_failure = self.scraper.probe
         self.shared: RedisState | None = None
         if settings.redis is not None:
             from plugin.adapters.redis_state import RedisState

@@ -126,6 +126,7 @@ class PodPool:
         "_unreachable",
         "loaded",
         "on_change",
+        "on_failure",
         "on_release",
     )
 
@@ -165,6 +166,9 @@ class PodPool:
         # after anything else that may let a held request in: new pods, a scrape tick (metrics
         # and capacity), other gateways' counts.
         self.on_release: Callable[[Pod], None] | None = None
+        # A request on this pod failed (5xx): the scraper checks the engine at once, so a dead
+        # one leaves rotation after one failure instead of at the next scrape tick.
+        self.on_failure: Callable[[Pod], None] | None = None
         self.on_change: Callable[[], None] | None = None
 
     # discovery -------------------------------------------------------------------------------
@@ -376,6 +380,8 @@ class PodPool:
                 self._credit(key, output_tokens)
             if status and now is not None:
                 self._record_outcome(key, status >= 500, now)
+                if status >= 500 and self.on_failure is not None:
+                    self.on_failure(pod)
         if self.on_release is not None:
             self.on_release(pod)  # a freed slot may let a held request in
 
