@@ -275,8 +275,8 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
                 "response_header_mode": "SKIP" if pick_only else "SEND",
                 # STREAMED: the plugin sees every SSE chunk as it arrives (token usage) without
                 # Envoy holding the whole response. In "observe" mode the counting filter sees
-                # them instead. Either way this filter's stream lives until the response ends
-                # (checked on Envoy 1.40), which is what holds the in-flight count.
+                # them instead, and hold the in-flight lease (this filter's stream ends at the
+                # pick); in "streamed" mode this stream lives until the response ends.
                 "response_body_mode": "STREAMED" if streamed else "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",

@@ -493,8 +493,10 @@ class CountingProcessor:
     """The counting filter's stream (observability mode): credit a response's output tokens.
 
     The pod comes from the `target-pod` header the routing filter set. Envoy does not wait for
-    this stream and it gets no replies; the routing stream holds the in-flight lease, so
-    counting here only credits tokens, once, when the body ends or the stream closes.
+    this stream and it gets no replies. With a pick-only routing filter this stream claims the
+    request's lease (`LeaseHandoff`) and ends it with the response's tokens and status; else the
+    routing stream holds the lease and this one only credits tokens. Either way once, when the
+    body ends or the stream closes.
     """
 
     __slots__ = ("_decision", "_handoff", "_pod", "_prompt_tokens", "_router", "_tokens")
