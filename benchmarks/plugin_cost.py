@@ -125,8 +125,11 @@ async def main() -> None:
         "filter that Envoy does not wait for; `streamed` has the routing filter itself receive "
         "and answer every response chunk.\n\n"
         f"{table}\n\n{summary}\n\n"
-        "Each request costs its ext_proc messages: request headers, buffered body, response "
-        "headers, one message per response chunk, and the end of stream. A py-spy profile puts "
+        "Each request costs its ext_proc messages: request headers and buffered body on the "
+        "routing stream (in `observe` mode it ends there: the routing filter only picks), then "
+        "response headers, one message per response chunk and the end of stream, on the "
+        "counting stream in `observe` mode (which also ends the in-flight lease) or on the "
+        "routing stream in `streamed` mode. A py-spy profile puts "
         "about 90% of the plugin's samples in gRPC's asyncio machinery and its poller thread, "
         "not in the plugin's own code; the cost per request falls as the rate rises because "
         "event-loop wake-ups are shared by more messages.\n",
