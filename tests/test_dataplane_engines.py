@@ -112,3 +112,36 @@ async def test_the_503_for_an_engine_that_refuses_is_openai_json(tmp_path: Path)
             error = (await r.json())["error"]
     assert (error["type"], error["code"]) == ("overloaded_error", "service_unavailable")
     assert "connection" in error["message"]
+
+
+async def test_override_host_retries_a_refused_connection_on_another_replica(
+    tmp_path: Path,
+) -> None:
+    """The override_host wiring: the plugin lists a fallback after its pick, and Envoy retries a
+    refused connection once on it, so an engine that just died costs no failed request even
+    before the gateway notices (scrapes slowed to 30 s here so it does not)."""
+    spec = FleetSpec(
+        model=MODEL,
+        presets=("a100", "l20"),
+        listen_port=free_port(),
+        fail_open=True,
+        steering="override-host",
+        plugin_env={"AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "30000"},
+    )
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        dead = next(e for e in fleet.engines if e.preset == "a100")
+        await fleet.stop_process(dead.proc)
+        picked: list[str | None] = []
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for _ in range(6):
+                async with session.post(
+                    f"{fleet.envoy_url}/v1/chat/completions",
+                    json=chat_body(MODEL, 2),
+                    headers={"routing-strategy": "round-robin"},
+                ) as resp:
+                    await resp.read()
+                    assert resp.status == 200
+                    assert resp.headers["x-mock-engine"] == "l20-0"
+                    picked.append(resp.headers.get("target-pod"))
+    assert picked.count(dead.name) == 3  # round robin did pick the dead one: retried each time

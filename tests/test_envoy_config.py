@@ -377,3 +377,25 @@ def test_the_header_count_limit_is_rendered_from_the_plugin_s_variable(
     monkeypatch.setenv("HETERO_GATEWAY_MAX_REQUEST_HEADERS", "many")
     with pytest.raises(SystemExit, match="HETERO_GATEWAY_MAX_REQUEST_HEADERS"):
         _run_cli(["envoy-config"])
+
+
+def test_only_the_override_host_wiring_retries_a_refused_connection() -> None:
+    """override_host retries once on the fallback the plugin lists; ORIGINAL_DST would retry
+    the same dead address, so it does not retry."""
+    override = render_bootstrap(
+        EnvoyOptions(steering="override-host", endpoints=("10.0.0.1:8000", "10.0.0.2:8000"))
+    )
+    original = render_bootstrap(EnvoyOptions())
+    for boot, retries in ((override, True), (original, False)):
+        routes = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"]
+        for route in routes[:-1]:  # the OpenAI paths; the last is the 404
+            policy = route["route"].get("retry_policy")
+            if retries:
+                assert policy["num_retries"] == 1
+                assert set(policy["retry_on"].split(",")) == {
+                    "connect-failure",
+                    "refused-stream",
+                    "reset-before-request",
+                }
+            else:
+                assert policy is None

@@ -362,3 +362,19 @@ def test_nothing_leaks_whatever_the_order(ops: list[str]) -> None:
     for w in waiters:
         w.cancel()
     assert pool.inflight("ns/a") == 0 and router.waiting() == 0
+
+
+def test_a_fallback_is_another_routable_pod_of_the_model() -> None:
+    strategy = Limit(limit=10)
+    router, _, _ = setup(strategy, pod("a"), pod("bb"), pod("ccc", ready=False))
+    decision = admitted_decision(router.admit(request(), strategy))
+    for _ in range(20):
+        other = router.fallback(decision)
+        assert other is not None and other.name == ({"a", "bb"} - {decision.lease.pod.name}).pop()
+    alone, _, _ = setup(strategy, pod("a"))
+    assert alone.fallback(admitted_decision(alone.admit(request(), strategy))) is None
+
+
+def admitted_decision(outcome: Decision | Waiter) -> Decision:
+    assert isinstance(outcome, Decision)
+    return outcome

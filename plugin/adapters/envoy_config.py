@@ -424,13 +424,22 @@ def _local_reply_config() -> dict[str, Any]:
 
 
 def _routes(cluster: str, layout: BenchLayout, pick_only: bool) -> list[dict[str, Any]]:
-    forward = {
+    forward: dict[str, Any] = {
         "cluster": cluster,
         # Route timeout counts the whole streamed response (default 15 s cuts long generations
         # before the usage chunk): disable it and rely on the idle timeout.
         "timeout": "0s",
         "idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
     }
+    if cluster == OVERRIDE_HOST_CLUSTER:
+        # A pod that refuses the connection (its engine just died) costs no failed request:
+        # one retry, on the fallback endpoint the plugin lists after its pick. Only before any
+        # byte reached the engine, so nothing runs twice. (ORIGINAL_DST would retry the same
+        # address, so that wiring does not retry.)
+        forward["retry_policy"] = {
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": 1,
+        }
     if layout.upstream is not None:  # bench: one static upstream, every path
         return [{"match": {"prefix": "/"}, "route": forward}]
     headers = [

@@ -433,10 +433,13 @@ class RoutingProcessor:
                 _header(PROMPT_TOKENS_HEADER, str(decision.request.prompt_tokens)),
             ]
         )
+        # The Inference Extension's metadata may list fallbacks: the override_host wiring retries
+        # a refused connection once, on the next endpoint listed.
+        fallback = self._router.fallback(decision)
         metadata = struct_pb2.Struct()
         metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_HEADER
-        ].string_value = endpoint
+        ].string_value = endpoint if fallback is None else f"{endpoint},{fallback.endpoint}"
         if self._handoff is not None:  # Envoy's route adds the `target-pod` response header
             metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields[
                 "pod"

@@ -227,6 +227,25 @@ class Router:
     def now(self) -> float:
         return self._clock()
 
+    def fallback(self, decision: Decision) -> Pod | None:
+        """Another routable pod of the request's model, for a proxy that retries a failed
+        connection elsewhere (Envoy's override_host walks the list); None if there is none.
+        Any other one, at random: a retry is rare, and a pass over the pool would cost every
+        request O(pods)."""
+        try:
+            view = self.pool.candidates(decision.request.model, self._clock())
+        except RequestError:
+            return None
+        n = len(view)
+        if n < 2:
+            return None
+        chosen = decision.lease.pod
+        for _ in range(4):
+            pod = view[self._rng.randrange(n)].pod
+            if pod.key != chosen.key:
+                return pod
+        return next((c.pod for c in view if c.pod.key != chosen.key), None)
+
     def finished(self, decision: Decision, status: int) -> None:
         """A routed request's response ended: compare its latency with the prediction."""
         if decision.expected_e2e_s is not None and status == 200:
