@@ -318,7 +318,8 @@ def render(rows: list[Row], seconds: float) -> str:
         " cores). Each scenario runs on a fresh fleet in the default wiring (ORIGINAL_DST,"
         " fail-closed, counting filter). *Eject* is how long after the fault `/debug/pods` showed"
         " the engine out of rotation, *restore* how long after it recovered it was back. Nothing"
-        " here retries: ORIGINAL_DST retries would go to the same address.",
+        " here retries: ORIGINAL_DST retries would go to the same address (the override-host"
+        " wiring retries a refused connection once on a fallback replica the plugin lists).",
         "",
         "| scenario | sent | failed | cut | eject s | restore s | result | target | met |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
