@@ -242,14 +242,15 @@ async def test_routed_streaming_request_full_cycle(running: Running) -> None:
     headers = set_headers(mutation)
     endpoint = headers["target-pod"].decode()
     assert endpoint in r.pods
-    assert headers["x-gateway-destination-endpoint"] == endpoint.encode()
     assert headers["routing-strategy"] == b"load-balance"
     assert headers["x-request-id"] == b"req-1"
     assert set(set_header_values(mutation).values()) == {""}  # raw_value only, never value
     lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
-    # The pick, then the other pod as the fallback override_host retries a refused connection on.
+    # The pick, then the other pod as the fallback override_host retries a refused connection
+    # on; header and metadata carry the same list (the Inference Extension's protocol).
     (other,) = set(r.pods) - {endpoint}
     assert lb.fields["x-gateway-destination-endpoint"].string_value == f"{endpoint},{other}"
+    assert headers["x-gateway-destination-endpoint"] == f"{endpoint},{other}".encode()
 
     key = r.key_of(endpoint)
     other = next(p.key for p in r.pods.values() if p.key != key)

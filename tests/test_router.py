@@ -374,6 +374,17 @@ def test_a_fallback_is_another_routable_pod_of_the_model() -> None:
     alone, _, _ = setup(strategy, pod("a"))
     assert alone.fallback(admitted_decision(alone.admit(request(), strategy))) is None
 
+    # A retry must not leave the pods the request's external-filter allows.
+    a100, b100 = (dataclasses.replace(pod(n), labels={"gpu": "a100"}) for n in ("a", "bb"))
+    l20 = dataclasses.replace(pod("ccc"), labels={"gpu": "l20"})
+    narrowed, _, _ = setup(strategy, a100, b100, l20)
+    only_a100 = dataclasses.replace(request(), pod_selector=parse_selector("gpu=a100"))
+    decision = admitted_decision(narrowed.admit(only_a100, strategy))
+    for _ in range(20):
+        other = narrowed.fallback(decision)
+        assert other is not None and other.labels["gpu"] == "a100"
+        assert other.name != decision.lease.pod.name
+
 
 def admitted_decision(outcome: Decision | Waiter) -> Decision:
     assert isinstance(outcome, Decision)

@@ -424,22 +424,25 @@ class RoutingProcessor:
             self.finished = True
         else:
             self._decision = decision
+        # The Inference Extension's destination may list fallbacks, in the header and the
+        # metadata alike (its protocol forbids them to differ): the override_host wiring retries
+        # a refused connection once, on the next endpoint listed. `target-pod` (ORIGINAL_DST)
+        # names the pick alone.
+        fallback = self._router.fallback(decision)
+        destination = endpoint if fallback is None else f"{endpoint},{fallback.endpoint}"
         mutation = pb.HeaderMutation(
             set_headers=[
                 _header(TARGET_POD_HEADER, endpoint),
-                _header(DESTINATION_HEADER, endpoint),
+                _header(DESTINATION_HEADER, destination),
                 _header("routing-strategy", decision.strategy),
                 _header("x-request-id", decision.request.request_id),
                 _header(PROMPT_TOKENS_HEADER, str(decision.request.prompt_tokens)),
             ]
         )
-        # The Inference Extension's metadata may list fallbacks: the override_host wiring retries
-        # a refused connection once, on the next endpoint listed.
-        fallback = self._router.fallback(decision)
         metadata = struct_pb2.Struct()
         metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_HEADER
-        ].string_value = endpoint if fallback is None else f"{endpoint},{fallback.endpoint}"
+        ].string_value = destination
         if self._handoff is not None:  # Envoy's route adds the `target-pod` response header
             metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields[
                 "pod"

@@ -228,12 +228,12 @@ class Router:
         return self._clock()
 
     def fallback(self, decision: Decision) -> Pod | None:
-        """Another routable pod of the request's model, for a proxy that retries a failed
-        connection elsewhere (Envoy's override_host walks the list); None if there is none.
-        Any other one, at random: a retry is rare, and a pass over the pool would cost every
-        request O(pods)."""
+        """Another pod the request may go to (routable, and matching its `external-filter`), for
+        a proxy that retries a failed connection elsewhere (Envoy's override_host walks the
+        list); None if there is none. Any other one, at random: a retry is rare, and a pass
+        over the pool would cost every request O(pods)."""
         try:
-            view = self.pool.candidates(decision.request.model, self._clock())
+            view = self._candidates(decision.request, self._clock())
         except RequestError:
             return None
         n = len(view)
