@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.fleet import EngineProc, FleetSpec, LocalFleet, free_port
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 MODEL = "llama-3-8b"
@@ -53,7 +53,6 @@ class Row:
     sent: int
     failed: int
     cut: int = 0
-    retried: int = 0
     eject_s: float | None = None
     restore_s: float | None = None
     measure: str = ""
@@ -161,13 +160,19 @@ async def plugin_kill(tmp: Path) -> Row:
     )
 
 
-async def hung_engine(tmp: Path) -> Row:
+async def _engine_outage(
+    tmp: Path,
+    fault: Callable[[LocalFleet, EngineProc], Awaitable[None]],
+    recover: Callable[[LocalFleet, EngineProc], Awaitable[None]],
+) -> tuple[float | None, float | None, list[Outcome]]:
+    """Three engines under 14 req/s for 18 s; the a100's `fault` 3 s in, its `recover` 10 s
+    later. Returns (seconds until it was out of rotation, seconds from recovery until it was
+    back, every request's outcome)."""
     async with _fleet(tmp, presets=("a100", "l20", "v100")) as fleet:
         engine = next(e for e in fleet.engines if e.preset == "a100")
-        assert engine.proc is not None
         load = asyncio.create_task(_offer(fleet.envoy_url, 14.0, 18.0, 16))
-        await asyncio.sleep(3.0)  # the hang starts 3 s into the load
-        os.kill(engine.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(3.0)
+        await fault(fleet, engine)
 
         async def out() -> bool:
             return await _unreachable(fleet, engine.name) is True
@@ -177,9 +182,32 @@ async def hung_engine(tmp: Path) -> Row:
 
         eject = await _time_until(out, 10.0)
         await asyncio.sleep(max(0.0, 10.0 - (eject or 0.0)))
-        os.kill(engine.proc.pid, signal.SIGCONT)
+        await recover(fleet, engine)
         restore = await _time_until(back, 10.0)
-        outcomes = await load
+        return eject, restore, await load
+
+
+def _signal(sig: signal.Signals) -> Callable[[LocalFleet, EngineProc], Awaitable[None]]:
+    async def send(_: LocalFleet, engine: EngineProc) -> None:
+        assert engine.proc is not None
+        os.kill(engine.proc.pid, sig)
+
+    return send
+
+
+async def _kill(_: LocalFleet, engine: EngineProc) -> None:
+    assert engine.proc is not None
+    engine.proc.kill()
+
+
+async def _restart(fleet: LocalFleet, engine: EngineProc) -> None:
+    await fleet.restart_engine(engine)
+
+
+async def hung_engine(tmp: Path) -> Row:
+    eject, restore, outcomes = await _engine_outage(
+        tmp, _signal(signal.SIGSTOP), _signal(signal.SIGCONT)
+    )
     hang_from, hang_to = 3.0, 13.0
     late = [o for o in outcomes if hang_from + 1.0 <= o.started < hang_to and o.pod == "a100-0"]
     failed = sum(o.status != 200 for o in outcomes)
@@ -196,24 +224,7 @@ async def hung_engine(tmp: Path) -> Row:
 
 
 async def dead_engine(tmp: Path) -> Row:
-    async with _fleet(tmp, presets=("a100", "l20", "v100")) as fleet:
-        engine = next(e for e in fleet.engines if e.preset == "a100")
-        load = asyncio.create_task(_offer(fleet.envoy_url, 14.0, 18.0, 16))
-        await asyncio.sleep(3.0)
-        assert engine.proc is not None
-        engine.proc.kill()
-
-        async def out() -> bool:
-            return await _unreachable(fleet, engine.name) is True
-
-        async def back() -> bool:
-            return await _unreachable(fleet, engine.name) is False
-
-        eject = await _time_until(out, 10.0)
-        await asyncio.sleep(max(0.0, 10.0 - (eject or 0.0)))
-        await fleet.restart_engine(engine)
-        restore = await _time_until(back, 10.0)
-        outcomes = await load
+    eject, restore, outcomes = await _engine_outage(tmp, _kill, _restart)
     # Generations running on it when it died are lost with it (cut); what the gateway decides
     # is what happens to requests sent after that.
     cut = sum(not o.complete for o in outcomes if o.started < 3.0)

@@ -47,20 +47,27 @@ async def _until(fleet: LocalFleet, name: str, unreachable: bool, within_s: floa
     raise AssertionError(f"{name} not {'un' if unreachable else ''}reachable within {within_s} s")
 
 
-async def _served_by(fleet: LocalFleet, n: int) -> Counter[str]:
-    """Which engine served each of `n` short requests, one after another (least-request)."""
-    served: Counter[str] = Counter()
+async def _send(fleet: LocalFleet, n: int, strategy: str) -> list[tuple[str, str | None]]:
+    """`n` short requests one after another: (engine that served it, or `HTTP <status>` when
+    none did; the pod the plugin picked)."""
+    sent = []
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for _ in range(n):
             async with session.post(
                 f"{fleet.envoy_url}/v1/chat/completions",
                 json=chat_body(MODEL, 2),
-                headers={"routing-strategy": "least-request"},
+                headers={"routing-strategy": strategy},
             ) as resp:
                 await resp.read()
-                served[resp.headers.get("x-mock-engine", f"HTTP {resp.status}")] += 1
-    return served
+                engine = resp.headers.get("x-mock-engine", f"HTTP {resp.status}")
+                sent.append((engine, resp.headers.get("target-pod")))
+    return sent
+
+
+async def _served_by(fleet: LocalFleet, n: int) -> Counter[str]:
+    """Which engine served each of `n` short requests under least-request."""
+    return Counter(engine for engine, _ in await _send(fleet, n, "least-request"))
 
 
 def _engine(fleet: LocalFleet, preset: str) -> tuple[str, int]:
@@ -131,17 +138,7 @@ async def test_override_host_retries_a_refused_connection_on_another_replica(
     async with LocalFleet(spec, str(tmp_path)) as fleet:
         dead = next(e for e in fleet.engines if e.preset == "a100")
         await fleet.stop_process(dead.proc)
-        picked: list[str | None] = []
-        timeout = aiohttp.ClientTimeout(total=30)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            for _ in range(6):
-                async with session.post(
-                    f"{fleet.envoy_url}/v1/chat/completions",
-                    json=chat_body(MODEL, 2),
-                    headers={"routing-strategy": "round-robin"},
-                ) as resp:
-                    await resp.read()
-                    assert resp.status == 200
-                    assert resp.headers["x-mock-engine"] == "l20-0"
-                    picked.append(resp.headers.get("target-pod"))
+        sent = await _send(fleet, 6, "round-robin")
+    assert [engine for engine, _ in sent] == ["l20-0"] * 6  # every one served
+    picked = [pod for _, pod in sent]
     assert picked.count(dead.name) == 3  # round robin did pick the dead one: retried each time

@@ -90,8 +90,9 @@ _WANTED = frozenset(
 # routed or not, so nobody can point Envoy's ORIGINAL_DST cluster at an address of their choice.
 _STEERING_HEADERS = (TARGET_POD_HEADER, DESTINATION_HEADER, PROMPT_TOKENS_HEADER)
 _STEERING_SET = frozenset(_STEERING_HEADERS)
-# Set on a routed request besides the steering headers (added when the client did not send them).
-_ECHOED_UPSTREAM = ("routing-strategy", "x-request-id")
+# Headers a routed request always gets (the steering ones); `routing-strategy` and
+# `x-request-id` are added too when the client did not send them.
+_ALWAYS_ADDED = len(_STEERING_HEADERS)
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
@@ -195,7 +196,10 @@ Reply: TypeAlias = "pb.ProcessingResponse | Awaitable[pb.ProcessingResponse] | N
 
 
 class Processor(Protocol):
-    """One Envoy stream's state: a reply (or an awaitable one, or none) per message."""
+    """One Envoy stream's state: a reply (or an awaitable one, or none) per message; `finished`
+    once it has nothing more to answer (the servicer then ends the stream)."""
+
+    finished: bool
 
     def handle(self, req: pb.ProcessingRequest) -> Reply: ...
 
@@ -349,7 +353,9 @@ class RoutingProcessor:
             return self._fail(MethodNotAllowed(method, path))
         # Envoy refuses a mutation that takes the request over its header count limit, with an
         # empty 503: say so first, in a 431 the client can act on.
-        added = len(_STEERING_HEADERS) + sum(h not in headers for h in _ECHOED_UPSTREAM)
+        added = (
+            _ALWAYS_ADDED + ("routing-strategy" not in headers) + ("x-request-id" not in headers)
+        )
         count = len(msg.headers.headers)
         if count - steering + added > self._max_headers:
             return self._fail(TooManyHeaders(count, added, self._max_headers))
@@ -506,6 +512,7 @@ class CountingProcessor:
     """
 
     __slots__ = ("_decision", "_handoff", "_pod", "_prompt_tokens", "_router", "_tokens")
+    finished = False  # Envoy ends this stream; the plugin never answers on it
 
     def __init__(self, router: Router, handoff: LeaseHandoff | None = None) -> None:
         self._router = router
@@ -595,7 +602,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     yield self._hold_notice  # a held request: Envoy must wait longer for it
                     reply = await reply
                 yield reply
-                if getattr(processor, "finished", False):
+                if processor.finished:
                     return  # pick only: the stream ends, the counting stream has the lease
         finally:
             if processor is not None:
