@@ -1,0 +1,390 @@
+"""The cost-minimal GPU mix: how many replicas of each GPU type serve a workload within the SLO.
+
+The workload is a request rate per profile cell (a bucket of input x output tokens); each
+candidate (a deployment, one GPU type) has a price per replica and, per cell, the rate one of its
+replicas sustains within the SLO (`tputs`, from its GPU profile; 0 where it cannot meet the SLO).
+`solve` returns the replica counts that serve every cell at least cost, as a mixed-integer
+program (SciPy's `milp`, which is HiGHS):
+
+    minimise    sum_d cost_d * n_d
+    subject to  sum_d x_kd = 1                                   for each cell k with traffic
+                sum_k rate_k * headroom * x_kd / tputs_dk <= n_d  for each candidate d
+                n_d integer in [min_replicas_d, upper_d],  x_kd >= 0, x_kd only where tputs_dk > 0
+
+`x_kd` is the fraction of cell k's requests that candidate d serves. It is fractional on purpose:
+the gateway routes each request on its own, so a cell's traffic can be split across GPU types in
+any proportion; only replicas come in whole units. (A 0/1 assignment of whole cells could cost
+more and would model nothing the gateway does.) `upper_d` is the replicas d would need to serve
+alone every cell it can serve, rounded up (at least `min_replicas`), or the availability cap
+`max_replicas` if that is lower: no optimal plan needs more, and finite bounds keep
+branch-and-bound tight.
+
+Corner cases are answered, never dropped:
+
+- no traffic at all (every rate 0): each candidate at `min_replicas`, status "idle";
+- a cell with traffic that no candidate can serve (every `tputs` 0): listed in
+  `infeasible_cells`, its whole rate in `unserved`; the plan serves the other cells, and keeps
+  status "optimal" (with only such traffic: every candidate at `min_replicas`). A cell without
+  traffic is never listed, whatever its `tputs`;
+- caps that leave too few replicas for the traffic: two phases. Phase 1 (a linear program with
+  every candidate at its upper bound) finds the most rate the capped fleet can serve; phase 2 is
+  the MILP above with each cell's share allowed below 1, constrained to serve that much, at least
+  cost (then phase 1's program once more, on phase 2's fleet, so the shares serve all that fleet
+  can and not a solver tolerance less). Status "short", the rest per cell in `unserved`.
+
+Units: `rates` and `unserved` are req/s as measured (headroom not applied); `headroom` (>= 1)
+only scales the capacity each cell needs. Solver tolerances (about 1e-7) are mopped up after
+solving: replica counts are rounded to integers and trimmed to the work they carry, shares are
+clipped and renormalised, and no candidate is left with more work than replicas beyond a relative
+1e-6 (`Plan.load` says how much work each candidate carries, in replicas).
+
+Pure: no I/O, no clock. SciPy (and NumPy) are imported inside `solve` only, so the gateway's
+runtime imports this module without them (`pip install 'hetero-gateway[optimizer]'`).
+
+`ScaleDownGate` adds hysteresis for the caller that applies plans window after window: a higher
+count goes through at once, a lower one only when the last N proposals all agree on it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from plugin.errors import OptimizerInputError
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+__all__ = ["Candidate", "Plan", "Problem", "ScaleDownGate", "solve", "validate"]
+
+# A candidate may carry this much more work than its replicas (relative, at least 1e-6 of a
+# replica) before the plan counts as over capacity: HiGHS's own feasibility tolerance is 1e-7.
+LOAD_TOLERANCE = 1e-6
+# Unserved rate below this fraction of a cell's rate is solver noise, reported as 0.
+UNSERVED_TOLERANCE = 1e-6
+# Phase 2 of a short plan must serve phase 1's rate less this fraction of it.
+SERVED_SLACK = 1e-7
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One deployment (GPU type) the plan may scale."""
+
+    name: str  # "namespace/deployment"
+    cost: float  # per replica (the profile's `cost`)
+    tputs: tuple[float, ...]  # per cell: req/s ONE replica sustains within the SLO; 0: cannot
+    min_replicas: int = 0
+    max_replicas: int | None = None  # availability cap (None: unbounded)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    rates: tuple[float, ...]  # req/s per workload cell, in the order of every Candidate.tputs
+    candidates: tuple[Candidate, ...]
+    headroom: float = 1.0  # plan capacity for rates x headroom (>= 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    replicas: dict[str, int]  # per candidate name
+    cost: float
+    # [cell][candidate]: fraction of the cell's rate; all 0 for a cell without traffic.
+    share: tuple[tuple[float, ...], ...]
+    unserved: tuple[float, ...]  # req/s per cell the plan does not serve (caps, no tputs)
+    infeasible_cells: tuple[int, ...]  # cells with traffic that every candidate has tputs 0 for
+    status: str  # "optimal" | "short" (caps leave rate unserved) | "idle" (no traffic)
+    # Per candidate (in Problem order): the work assigned to it in replicas (<= its replicas).
+    load: tuple[float, ...] = field(default=())
+
+
+def _fail(message: str) -> OptimizerInputError:
+    return OptimizerInputError(f"optimizer input: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_nonneg(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def validate(problem: Problem) -> None:
+    """Raise `OptimizerInputError` naming the first bad field of `problem`."""
+    cells = len(problem.rates)
+    for k, rate in enumerate(problem.rates):
+        if not _finite_nonneg(rate):
+            raise _fail(f"rates[{k}] = {rate!r}: a rate must be a finite number >= 0")
+    headroom = problem.headroom
+    if not (_finite_nonneg(headroom) and headroom >= 1):
+        raise _fail(f"headroom = {headroom!r}: must be a finite number >= 1")
+    seen: set[str] = set()
+    for cand in problem.candidates:
+        who = f"candidate {cand.name!r}"
+        if not isinstance(cand.name, str) or not cand.name:
+            raise _fail(f"{who}: the name must be a non-empty string")
+        if cand.name in seen:
+            raise _fail(f"{who}: named twice (names key the plan)")
+        seen.add(cand.name)
+        if not _finite_nonneg(cand.cost):
+            raise _fail(f"{who}: cost = {cand.cost!r}: must be a finite number >= 0")
+        if len(cand.tputs) != cells:
+            raise _fail(
+                f"{who}: tputs has {len(cand.tputs)} cells but rates has {cells} "
+                "(every candidate's tputs must follow the rates' cells)"
+            )
+        for k, tput in enumerate(cand.tputs):
+            if not _finite_nonneg(tput):
+                raise _fail(f"{who}: tputs[{k}] = {tput!r}: must be a finite number >= 0")
+        if not (_is_int(cand.min_replicas) and cand.min_replicas >= 0):
+            raise _fail(f"{who}: min_replicas = {cand.min_replicas!r}: must be an integer >= 0")
+        cap = cand.max_replicas
+        if cap is not None and not (_is_int(cap) and cap >= cand.min_replicas):
+            raise _fail(
+                f"{who}: max_replicas = {cap!r}: must be None or an integer >= min_replicas "
+                f"({cand.min_replicas})"
+            )
+
+
+@dataclass(slots=True)
+class _Model:
+    """The solver's view: servable cells, the (cell, candidate) pairs that get an x, bounds."""
+
+    cells: list[int]  # cells with traffic that some candidate serves
+    pair_cell: list[int]  # per x variable: its cell's position in `cells`
+    pair_cand: list[int]  # per x variable: its candidate
+    need: list[float]  # per x variable: replicas of the candidate the whole cell needs
+    lower: list[int]  # per candidate
+    upper: list[int]  # per candidate
+    total: float  # req/s over `cells`
+
+
+def _model(problem: Problem, cells: list[int]) -> _Model:
+    pair_cell: list[int] = []
+    pair_cand: list[int] = []
+    need: list[float] = []
+    alone = [0.0] * len(problem.candidates)
+    for i, k in enumerate(cells):
+        for d, cand in enumerate(problem.candidates):
+            tput = cand.tputs[k]
+            if tput > 0:
+                a = problem.rates[k] * problem.headroom / tput
+                if not math.isfinite(a):
+                    raise _fail(
+                        f"candidate {cand.name!r}: cell {k} needs rates x headroom / tputs = "
+                        f"{problem.rates[k]!r} x {problem.headroom!r} / {tput!r} replicas, "
+                        "which overflows"
+                    )
+                pair_cell.append(i)
+                pair_cand.append(d)
+                need.append(a)
+                alone[d] += a
+    upper: list[int] = []
+    for d, cand in enumerate(problem.candidates):
+        if not math.isfinite(alone[d]):
+            raise _fail(f"candidate {cand.name!r}: the replicas it needs overflow")
+        bound = max(cand.min_replicas, math.ceil(alone[d]))
+        upper.append(bound if cand.max_replicas is None else min(cand.max_replicas, bound))
+    lower = [c.min_replicas for c in problem.candidates]
+    total = math.fsum(problem.rates[k] for k in cells)
+    return _Model(cells, pair_cell, pair_cand, need, lower, upper, total)
+
+
+def _milp(
+    m: _Model,
+    costs: Sequence[float],
+    rates: Sequence[float],
+    *,
+    phase: Literal["all", "most", "cheapest"],  # serve every cell | phase 1 | phase 2
+    served: float = 0.0,  # phase 2: the fraction of the rate phase 1 served
+    fleet: Sequence[int] | None = None,  # "most": these replicas instead of the upper bounds
+) -> tuple[NDArray[np.float64], NDArray[np.float64]] | None:
+    """Solve one program: (n, x), or None when HiGHS proves it infeasible."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
+    nd, nx, nk = len(m.lower), len(m.need), len(m.cells)
+    pair_cell = np.asarray(m.pair_cell, dtype=np.int64)
+    cols_x = np.arange(nd, nd + nx)
+    # Rows 0..nk-1: each cell's shares; rows nk..nk+nd-1: each candidate's work minus replicas.
+    rows = np.concatenate(
+        [pair_cell, nk + np.asarray(m.pair_cand, dtype=np.int64), nk + np.arange(nd)]
+    )
+    cols = np.concatenate([cols_x, cols_x, np.arange(nd)])
+    vals = np.concatenate([np.ones(nx), np.asarray(m.need), -np.ones(nd)])
+    row_lb = np.concatenate([np.full(nk, 1.0 if phase == "all" else 0.0), np.full(nd, -np.inf)])
+    row_ub = np.concatenate([np.ones(nk), np.zeros(nd)])
+    # Each x's weight in the rate served, as a fraction of all servable traffic.
+    weight = np.asarray([rates[m.cells[i]] for i in m.pair_cell]) / m.total
+    if phase == "cheapest":
+        rows = np.concatenate([rows, np.full(nx, nk + nd)])
+        cols = np.concatenate([cols, cols_x])
+        vals = np.concatenate([vals, weight])
+        row_lb = np.append(row_lb, served * (1 - SERVED_SLACK))
+        row_ub = np.append(row_ub, np.inf)
+    matrix = coo_array((vals, (rows, cols)), shape=(len(row_lb), nd + nx)).tocsr()
+    lower = np.concatenate([np.asarray(m.lower, dtype=float), np.zeros(nx)])
+    upper = np.concatenate([np.asarray(m.upper, dtype=float), np.ones(nx)])
+    if phase == "most":  # a fixed fleet (the upper bounds) serving as much rate as it can
+        if fleet is not None:
+            upper[:nd] = np.asarray(fleet, dtype=float)
+        lower[:nd] = upper[:nd]
+        c = np.concatenate([np.zeros(nd), -weight])
+        integrality = np.zeros(nd + nx)
+    else:
+        c = np.concatenate([np.asarray(costs, dtype=float), np.zeros(nx)])
+        integrality = np.concatenate([np.ones(nd), np.zeros(nx)])
+    # mip_rel_gap 0: prove the optimum (HiGHS's default stops within 0.01% of it). No presolve:
+    # on programs this small it costs more than it saves, and the HiGHS in recent SciPy wheels
+    # prints a stray debug line to stdout when it maps a presolved solution back.
+    options: dict[str, Any] = {"disp": False, "mip_rel_gap": 0.0, "presolve": False}
+    res = milp(
+        c,
+        integrality=integrality,
+        bounds=Bounds(lower, upper),
+        constraints=LinearConstraint(matrix, row_lb, row_ub),
+        options=options,
+    )
+    if res.status == 2:
+        return None
+    if res.status != 0 or res.x is None:
+        raise ArithmeticError(f"the MILP solver failed: {res.message} (status {res.status})")
+    sol = np.asarray(res.x, dtype=np.float64)
+    return sol[:nd], sol[nd:]
+
+
+def _plan(
+    problem: Problem,
+    m: _Model,
+    x: Sequence[float],
+    infeasible: list[int],
+) -> Plan:
+    """The plan from a solver's shares `x` (one per pair of `m`): shares clipped to [0, 1] and
+    each cell's renormalised (to 1 when it sums to about 1, else to at most 1); replicas set to
+    the work each candidate then carries, rounded up (at least min_replicas); where that would
+    pass the cap (never, unless the solver's tolerances did), the candidate's shares shrink
+    instead and the rest is unserved."""
+    cands = problem.candidates
+    nd, nk = len(cands), len(problem.rates)
+    share = [[0.0] * nd for _ in range(nk)]
+    for i, value in enumerate(x):
+        share[m.cells[m.pair_cell[i]]][m.pair_cand[i]] = min(1.0, max(0.0, float(value)))
+    for k in m.cells:
+        row = share[k]
+        total = math.fsum(row)
+        if total > 1 - UNSERVED_TOLERANCE:  # 1 up to the solver's tolerance (or above it)
+            share[k] = [v / total for v in row]
+    need = {(m.cells[m.pair_cell[i]], m.pair_cand[i]): m.need[i] for i in range(len(m.need))}
+
+    def work(d: int) -> float:
+        return math.fsum(share[k][d] * need[k, d] for k in m.cells if (k, d) in need)
+
+    replicas: list[int] = []
+    load: list[float] = []
+    for d, cand in enumerate(cands):
+        w = work(d)
+        n = max(cand.min_replicas, math.ceil(w - LOAD_TOLERANCE * max(1.0, w)))
+        if n > m.upper[d]:
+            n = m.upper[d]
+            for k in m.cells:
+                share[k][d] *= n / w
+            w = work(d)
+        replicas.append(n)
+        load.append(w)
+    unserved = [0.0] * nk
+    for k in infeasible:
+        unserved[k] = problem.rates[k]
+    for k in m.cells:
+        left = problem.rates[k] * (1 - math.fsum(share[k]))
+        unserved[k] = left if left > UNSERVED_TOLERANCE * problem.rates[k] else 0.0
+    short = any(unserved[k] > 0 for k in m.cells)
+    return Plan(
+        replicas={c.name: n for c, n in zip(cands, replicas, strict=True)},
+        cost=math.fsum(c.cost * n for c, n in zip(cands, replicas, strict=True)),
+        share=tuple(tuple(row) for row in share),
+        unserved=tuple(unserved),
+        infeasible_cells=tuple(infeasible),
+        status="short" if short else "optimal",
+        load=tuple(load),
+    )
+
+
+def solve(problem: Problem) -> Plan:
+    """The cheapest replica counts that serve `problem` (see the module docstring).
+
+    Raises `OptimizerInputError` on bad input, `ArithmeticError` if HiGHS fails (it should not:
+    every program here is feasible and bounded, or proven infeasible). Needs SciPy (the
+    `optimizer` extra) unless there is nothing to solve (no traffic any candidate can serve).
+    """
+    validate(problem)
+    cands = problem.candidates
+    rates = problem.rates
+    busy = [k for k, r in enumerate(rates) if r > 0]
+    infeasible = [k for k in busy if all(c.tputs[k] == 0 for c in cands)]
+    cells = [k for k in busy if any(c.tputs[k] > 0 for c in cands)]
+    m = _model(problem, cells)
+    if not cells:
+        plan = _plan(problem, m, [], infeasible)
+        return plan if busy else replace(plan, status="idle")
+    costs = [c.cost for c in cands]
+    solved = _milp(m, costs, rates, phase="all")
+    if solved is None:
+        # The caps leave rate unserved: the most the capped fleet can serve, then its cheapest mix.
+        most = _milp(m, costs, rates, phase="most")
+        if most is None:  # cannot happen: x = 0 is feasible
+            raise ArithmeticError("the MILP solver found no plan serving even part of the rate")
+        weights = [rates[m.cells[i]] / m.total for i in m.pair_cell]
+        served = math.fsum(w * float(v) for w, v in zip(weights, most[1], strict=True))
+        cheapest = _milp(m, costs, rates, phase="cheapest", served=served)
+        if cheapest is None:
+            raise ArithmeticError("the MILP solver found no plan serving phase 1's rate")
+        # Phase 2 may serve a hair less than phase 1 (its slack): give its fleet the most again.
+        fleet = [
+            max(lo, min(hi, round(float(v))))
+            for lo, hi, v in zip(m.lower, m.upper, cheapest[0], strict=True)
+        ]
+        solved = _milp(m, costs, rates, phase="most", fleet=fleet) or cheapest
+    return _plan(problem, m, [float(v) for v in solved[1]], infeasible)
+
+
+class ScaleDownGate:
+    """Hysteresis per deployment: `step` passes a higher count at once and a lower one only when
+    the last `windows` proposals all agree on it (it returns the most of the last `windows`
+    proposals). A plan that flaps between windows then keeps the larger fleet instead of
+    churning pods; `windows=1` passes every proposal through."""
+
+    __slots__ = ("_history", "_windows")
+
+    def __init__(self, windows: int) -> None:
+        if not (_is_int(windows) and windows >= 1):
+            raise _fail(f"hysteresis windows = {windows!r}: must be an integer >= 1")
+        self._windows = windows
+        self._history: dict[str, deque[int]] = {}
+
+    @property
+    def windows(self) -> int:
+        return self._windows
+
+    def step(self, name: str, proposed: int) -> int:
+        """Record this window's proposal for `name`; the count to apply now."""
+        if not (_is_int(proposed) and proposed >= 0):
+            raise _fail(f"{name!r}: proposed replicas = {proposed!r}: must be an integer >= 0")
+        history = self._history.get(name)
+        if history is None:
+            history = self._history[name] = deque(maxlen=self._windows)
+        history.append(proposed)
+        return max(history)
+
+    def forget(self, name: str) -> None:
+        """Drop `name`'s history (its deployment went away, or an operator overrode it)."""
+        self._history.pop(name, None)
