@@ -316,6 +316,39 @@ class LabelSelector(Kind[str]):
         return text
 
 
+class Caps(Kind[tuple[tuple[str, int], ...]]):
+    """`deployment=N` pairs, comma-separated; a deployment is `name` or `namespace/name`."""
+
+    @property
+    def type_text(self) -> str:
+        return "`deployment=N`, comma-separated"
+
+    def parse(self, text: str) -> tuple[tuple[str, int], ...]:
+        caps: dict[str, int] = {}
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            name, sep, count = item.partition("=")
+            name = name.strip()
+            if not sep or not _DEPLOYMENT_RE.fullmatch(name):
+                raise Invalid(
+                    f": {item!r} is not deployment=N (deployment: name or namespace/name)"
+                )
+            try:
+                value = int(count)
+            except ValueError:
+                value = -1
+            if value < 0:
+                raise Invalid(f": {item!r} does not give a replica count >= 0")
+            caps[name] = value
+        return tuple(caps.items())
+
+
+_DEPLOYMENT_RE = re.compile(
+    r"(?:[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?/)?[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?"
+)
+
+
 # --- declarations --------------------------------------------------------------------------------
 
 
@@ -660,6 +693,53 @@ REDIS_TTL_MS: Var[int] = Var(
     " the others' view this long after its last sync.",
     also=">= 2 x sync",
 )
+TRACING: Var[bool] = Var(
+    "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG",
+    Bool(),
+    False,
+    "Record request traces for the GPU optimizer: every 10 s, per model, the window's arrivals and"
+    " completed requests' sizes, merged with the other gateways' into Redis key"
+    " `aibrix:<model>_request_trace_<unix>` (see Request traces).",
+    also="needs `REDIS_HOST`",
+)
+
+# The GPU optimizer (`hetero-gateway optimizer`): traced traffic -> replicas per deployment.
+OPTIMIZER_PORT: Var[int] = Var(
+    "HETERO_GATEWAY_OPTIMIZER_PORT",
+    _PORT,
+    8090,
+    "Optimizer: HTTP port for `/metrics/<namespace>/<deployment>` (the autoscaler's), `/metrics`,"
+    " `/debug/plan`, `/scale`, `/monitor`, `/update_profile`, `/healthz`.",
+    flag=Flag("optimizer", "--port"),
+)
+OPTIMIZER_LOOKBACK_S: Var[int] = Var(
+    "HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S",
+    Int(ge=10, le=600, unit="seconds"),
+    240,
+    "Optimizer: the traffic it plans for is the mean of this many seconds of trace windows.",
+    also="a multiple of 10",
+)
+OPTIMIZER_HEADROOM: Var[float] = Var(
+    "HETERO_GATEWAY_OPTIMIZER_HEADROOM",
+    Float(ge=1.0),
+    1.0,
+    "Optimizer: plan for the traced rate times this (1.2 = 20% spare capacity).",
+)
+OPTIMIZER_SCALE_DOWN_WINDOWS: Var[int] = Var(
+    "HETERO_GATEWAY_OPTIMIZER_SCALE_DOWN_WINDOWS",
+    Int(ge=1, le=360),
+    6,
+    "Optimizer: a deployment scales down only after this many consecutive 10 s plans agree (it"
+    " scales up at once); 1 turns hysteresis off.",
+)
+OPTIMIZER_MAX_REPLICAS: Var[tuple[tuple[str, int], ...]] = Var(
+    "HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS",
+    Caps(),
+    (),
+    "Optimizer: availability caps, e.g. `llama-a100=4,prod/llama-h100=0` (GPUs you do not have);"
+    " a plan the caps cannot fit serves what it can and reports the rest.",
+    shown_default="(none)",
+)
 
 # Every variable, in the README's order.
 ENV_VARS: tuple[Var[Any], ...] = (
@@ -698,6 +778,12 @@ ENV_VARS: tuple[Var[Any], ...] = (
     POD_NAMESPACE,
     REDIS_SYNC_MS,
     REDIS_TTL_MS,
+    TRACING,
+    OPTIMIZER_PORT,
+    OPTIMIZER_LOOKBACK_S,
+    OPTIMIZER_HEADROOM,
+    OPTIMIZER_SCALE_DOWN_WINDOWS,
+    OPTIMIZER_MAX_REPLICAS,
 )
 
 
@@ -715,6 +801,17 @@ class RedisSettings:
     gateway_id: str = "gateway"
     sync_interval_s: float = REDIS_SYNC_MS.default / 1000.0
     ttl_s: float = REDIS_TTL_MS.default / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSettings:
+    """How the GPU optimizer plans (`hetero-gateway optimizer`)."""
+
+    port: int = OPTIMIZER_PORT.default
+    lookback_s: int = OPTIMIZER_LOOKBACK_S.default
+    headroom: float = OPTIMIZER_HEADROOM.default
+    scale_down_windows: int = OPTIMIZER_SCALE_DOWN_WINDOWS.default
+    max_replicas: Mapping[str, int] = field(default_factory=dict)  # by name or namespace/name
 
 
 @dataclass(frozen=True, slots=True)
@@ -745,6 +842,8 @@ class Settings:
     deployment_label: str = DEPLOYMENT_LABEL.default
     profile_dir: str | None = PROFILE_DIR.default
     redis: RedisSettings | None = None  # None: state stays in this process
+    tracing: bool = TRACING.default  # request traces for the GPU optimizer (needs redis)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
 
     @property
     def metrics_max_age_s(self) -> float:
@@ -789,6 +888,31 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
         sync_interval_s=sync_ms / 1000.0,
         ttl_s=ttl_ms / 1000.0,
     )
+
+
+def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
+    lookback = OPTIMIZER_LOOKBACK_S.read(env)
+    if lookback % 10:
+        raise ConfigError(
+            f"{OPTIMIZER_LOOKBACK_S.name}={lookback} must be a multiple of 10 (the trace window)"
+        )
+    return OptimizerSettings(
+        port=OPTIMIZER_PORT.read(env),
+        lookback_s=lookback,
+        headroom=OPTIMIZER_HEADROOM.read(env),
+        scale_down_windows=OPTIMIZER_SCALE_DOWN_WINDOWS.read(env),
+        max_replicas=dict(OPTIMIZER_MAX_REPLICAS.read(env)),
+    )
+
+
+def _tracing(env: Mapping[str, str], redis: RedisSettings | None) -> bool:
+    on = TRACING.read(env)
+    if on and redis is None:
+        raise ConfigError(
+            f"{TRACING.name}=true needs {REDIS_HOST.name}: the gateway writes its request traces"
+            f" to Redis (set {REDIS_HOST.name}, or unset {TRACING.name})"
+        )
+    return on
 
 
 def _ejection_policy(consecutive_5xx: int, base_s: float) -> EjectionPolicy:
@@ -836,7 +960,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_waiting=MAX_WAITING.read(env),
         deployment_label=DEPLOYMENT_LABEL.read(env),
         profile_dir=PROFILE_DIR.read(env),
-        redis=_redis_settings(env),
+        redis=(redis := _redis_settings(env)),
+        tracing=_tracing(env, redis),
+        optimizer=_optimizer_settings(env),
     )
 
 

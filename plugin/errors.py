@@ -21,6 +21,11 @@ class ConfigError(GatewayError):
     """Bad configuration: start-up stops with this message (it names the variable or file)."""
 
 
+class TraceFormatError(GatewayError, ValueError):
+    """A request-trace window's document is not in AIBrix's format (`plugin.core.trace`); the
+    message says which field. A reader skips that window."""
+
+
 class RequestError(GatewayError):
     """An error decided for one request; subclasses fix status, code and the `x-error-*` header."""
 
@@ -204,3 +209,9 @@ def error_reply(err: RequestError) -> ErrorReply:
         body=body,
         headers=(("content-type", "application/json"), err.header),
     )
+
+
+class OptimizerInputError(GatewayError, ValueError):
+    """The GPU optimizer was handed a problem it cannot solve as stated (mismatched lengths, a
+    negative or non-finite rate, tput or cost, headroom below 1, min_replicas above the cap);
+    the message names the field."""

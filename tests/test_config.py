@@ -208,6 +208,21 @@ def test_redis_host_with_a_port_is_refused(host: str) -> None:
         load_settings({"REDIS_HOST": host})
 
 
+def test_tracing_is_off_by_default_and_on_with_redis() -> None:
+    assert load_settings({}).tracing is False
+    on = load_settings({"AIBRIX_GPU_OPTIMIZER_TRACING_FLAG": "true", "REDIS_HOST": "redis"})
+    assert on.tracing is True
+    assert on.redis is not None
+
+
+@pytest.mark.parametrize("value", ["true", "1", "on"])
+def test_tracing_without_redis_stops_start_up_naming_both(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"AIBRIX_GPU_OPTIMIZER_TRACING_FLAG": value})
+    assert "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG" in str(info.value)
+    assert "REDIS_HOST" in str(info.value)
+
+
 def test_redis_host_may_be_an_ipv6_address() -> None:
     settings = load_settings({"REDIS_HOST": "fd00::5"})
     assert settings.redis is not None and settings.redis.host == "fd00::5"
@@ -269,6 +284,12 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "REDIS_PORT": ("0", "65536"),
     "HETERO_GATEWAY_REDIS_SYNC_MS": ("0",),
     "HETERO_GATEWAY_REDIS_TTL_MS": ("-1", "0"),
+    "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG": ("maybe", "2"),
+    "HETERO_GATEWAY_OPTIMIZER_PORT": ("-1", "65536"),
+    "HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S": ("5", "610", "1.5"),
+    "HETERO_GATEWAY_OPTIMIZER_HEADROOM": ("0.99", "nan", "x"),
+    "HETERO_GATEWAY_OPTIMIZER_SCALE_DOWN_WINDOWS": ("0", "361"),
+    "HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS": ("a100", "a100=-1", "A100=2", "a/b/c=1", "a=x"),
 }
 FREE_TEXT = {
     "HETERO_GATEWAY_PODS_FILE",
@@ -295,6 +316,9 @@ EDGE_VALUES: list[tuple[str, str, Any]] = [
     ("HETERO_GATEWAY_LB_AVOID_FULL_BATCHES", "off", False),
     ("HETERO_GATEWAY_K8S_LABEL_SELECTOR", "  ", ""),  # set but blank: every pod in scope
     ("REDIS_PASSWORD", " pass word ", " pass word "),  # a password keeps its spaces
+    ("HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S", "600", 600),
+    ("HETERO_GATEWAY_OPTIMIZER_HEADROOM", "1", 1.0),
+    ("HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS", " a100=0 , ", (("a100", 0),)),
 ]
 
 

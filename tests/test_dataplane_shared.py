@@ -12,16 +12,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet
 from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 from plugin_tools.demo.redis_server import RedisServer
-from tests.helpers import debug_pods, metric_sum, poll
+from tests.helpers import debug_pods, metric_sum, poll, redis_env
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 
@@ -31,36 +29,21 @@ TRAFFIC_S = 40.0
 READ_AT_S = 36.0  # when the estimates are read, traffic still flowing
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def redis() -> AsyncIterator[RedisServer]:
-    """One `redis-server` for the module: both gateways share their state through it."""
-    async with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
-def fleet_spec(redis: RedisServer) -> FleetSpec:
-    """The first gateway, gw-a, pointed at Redis (the conftest's `fleet` runs it)."""
+def fleet_spec(module_redis: RedisServer) -> FleetSpec:
+    """The first gateway, gw-a, pointed at the module's Redis (the conftest's `fleet` runs it;
+    its `second_gateway`, gw-b, shares these settings and Redis)."""
     return FleetSpec(
         model=MODEL,
         time_scale=2.0,
         tokens_per_chunk=4,
         plugin_env={
-            "REDIS_HOST": redis.host,
-            "REDIS_PORT": str(redis.port),
+            **redis_env(module_redis, "gw-a"),
             "AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS": "500",
             "HETERO_GATEWAY_CAPACITY_WINDOW_S": str(WINDOW_S),
             "HETERO_GATEWAY_CAPACITY_TAU_S": "2",
-            "POD_NAME": "gw-a",
         },
     )
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def second(fleet: LocalFleet) -> ExtraGateway:
-    """The second gateway, gw-b: its own plugin (same settings but its name) and its own Envoy;
-    the fleet stops it."""
-    return await fleet.start_extra_gateway("gw-b", {"POD_NAME": "gw-b"})
 
 
 async def generated(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[str, float]:
@@ -72,8 +55,9 @@ async def generated(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[s
 
 
 async def test_two_gateways_agree_on_each_replicas_capacity(
-    fleet: LocalFleet, second: ExtraGateway
+    fleet: LocalFleet, second_gateway: ExtraGateway
 ) -> None:
+    second = second_gateway
     urls = {"gw-a": fleet.plugin_url, "gw-b": second.plugin_url}
     saturated = sum(e.saturated_tokens_per_s for e in fleet.engines)
     out = LengthDist(median=24, sigma=0.5, low=4, high=96)

@@ -334,6 +334,7 @@ def test_the_flags_are_the_declared_ones() -> None:
         "serve --grpc-port": "HETERO_GATEWAY_GRPC_PORT",
         "serve --http-port": "HETERO_GATEWAY_HTTP_PORT",
         "envoy-config --max-request-bytes": "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
+        "optimizer --port": "HETERO_GATEWAY_OPTIMIZER_PORT",
     }
     assert [v.name for v in flag_vars("serve")] == [
         v.name for v in FLAG_VARS if v.flag is not None and v.flag.command == "serve"

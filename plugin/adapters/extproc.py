@@ -19,7 +19,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -48,15 +48,19 @@ from plugin.core.request import (
 )
 from plugin.core.router import Decision, Router, Waiter
 from plugin.core.selector import EXTERNAL_FILTER_HEADER, parse_selector
-from plugin.core.types import Pod
-from plugin.core.usage import UsageScanner
+from plugin.core.types import Pod, RequestInfo
+from plugin.core.usage import Usage, UsageScanner
 from plugin.errors import (
     BadRequestBody,
     MethodNotAllowed,
     RequestError,
     TooManyHeaders,
+    UnknownModel,
     error_reply,
 )
+
+if TYPE_CHECKING:  # imported by `serve` only when tracing is on
+    from plugin.adapters.tracing import TraceRecorder
 
 __all__ = [
     "CountingProcessor",
@@ -190,6 +194,32 @@ class ResponseTokens:
     def output_tokens(self) -> int:
         return 0 if self._scanner is None else self._scanner.output_tokens()
 
+    def usage(self) -> Usage | None:
+        """The usage the engine reported, if it did (a 200 whose body carried one)."""
+        return None if self._scanner is None else self._scanner.usage
+
+
+def _finish(
+    router: Router, decision: Decision, tokens: ResponseTokens, tracer: TraceRecorder | None
+) -> None:
+    """A routed request's response ended: give its lease back once, crediting the tokens, and
+    tell the router (output history, latency against the prediction) and the tracer."""
+    output, status = tokens.output_tokens(), tokens.status
+    if not decision.lease.release(output, status, router.now()):
+        return
+    request = decision.request
+    router.completed(request.model, request.prompt_tokens, output, status)
+    router.finished(decision, status)
+    if tracer is not None:
+        tracer.ended(request.model, request.arrived_at)
+        _trace_completed(tracer, request.model, tokens)
+
+
+def _trace_completed(tracer: TraceRecorder, model: str, tokens: ResponseTokens) -> None:
+    usage = tokens.usage()
+    if usage is not None:  # the engine's counts; a response without them is not a size sample
+        tracer.completed(model, usage.prompt_tokens, usage.completion_tokens)
+
 
 # What a processor answers one message with: a reply, an awaitable one (a held request), none.
 Reply: TypeAlias = "pb.ProcessingResponse | Awaitable[pb.ProcessingResponse] | None"
@@ -227,11 +257,17 @@ class LeaseHandoff:
     hold interchangeable leases, so a queue per key is exact enough.
     """
 
-    __slots__ = ("_parked", "_router", "_timeout_s", "expired")
+    __slots__ = ("_parked", "_router", "_timeout_s", "_tracer", "expired")
 
-    def __init__(self, router: Router, timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        router: Router,
+        timeout_s: float = HANDOFF_TIMEOUT_S,
+        tracer: TraceRecorder | None = None,
+    ) -> None:
         self._router = router
         self._timeout_s = timeout_s
+        self._tracer = tracer
         self._parked: dict[_HandoffKey, list[tuple[Decision, asyncio.TimerHandle]]] = {}
         self.expired = 0
 
@@ -261,7 +297,8 @@ class LeaseHandoff:
         if not queue:
             self._parked.pop(key, None)
         self.expired += 1
-        decision.lease.release(0, 0, self._router.now())
+        if decision.lease.release(0, 0, self._router.now()) and self._tracer is not None:
+            self._tracer.ended(decision.request.model, decision.request.arrived_at)
         log.warning(
             "no counting stream claimed request %s within %.0f s: its in-flight slot is given "
             "back (is the counting filter configured after the routing filter?)",
@@ -284,6 +321,7 @@ class RoutingProcessor:
         "_passthrough",
         "_router",
         "_tokens",
+        "_tracer",
         "finished",
     )
 
@@ -293,11 +331,13 @@ class RoutingProcessor:
         errors: ErrorCounts,
         max_headers: int = DEFAULT_MAX_HEADERS,
         handoff: LeaseHandoff | None = None,
+        tracer: TraceRecorder | None = None,
     ) -> None:
         self._router = router
         self._errors = errors
         self._max_headers = max_headers
         self._handoff = handoff  # set: pick only, the counting stream takes the lease
+        self._tracer = tracer
         self.finished = False  # nothing more to do: the servicer ends the stream
         self._headers: dict[str, str] = {}
         self._passthrough = False
@@ -373,6 +413,7 @@ class RoutingProcessor:
         self._body_parts = []
         headers = self._headers
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        request: RequestInfo | None = None
         try:
             strategy = self._router.strategy_for(headers.get("routing-strategy"))
             slo = parse_slo(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER))
@@ -383,7 +424,13 @@ class RoutingProcessor:
             )
             outcome = self._router.admit(request, strategy)
         except RequestError as err:
+            # A request for a served model counts as traffic even when refused (no ready pod,
+            # a full queue): it is demand. An unknown model does not (clients name any model).
+            if self._tracer is not None and request is not None and type(err) is not UnknownModel:
+                self._tracer.arrived(request.model)
             return self._fail(err)
+        if self._tracer is not None:
+            self._tracer.arrived(request.model)
         if isinstance(outcome, Waiter):
             return self._held(outcome)
         return self._routed(outcome)
@@ -423,6 +470,8 @@ class RoutingProcessor:
         return self._routed(decision)
 
     def _routed(self, decision: Decision) -> pb.ProcessingResponse:
+        if self._tracer is not None:
+            self._tracer.started(decision.request.model, decision.request.arrived_at)
         endpoint = decision.lease.pod.endpoint
         if self._handoff is not None:
             # Pick only: the counting stream of this request takes the lease from here.
@@ -491,14 +540,8 @@ class RoutingProcessor:
     def close(self) -> None:
         """Release the in-flight slot once, crediting the tokens counted so far."""
         decision = self._decision
-        if decision is None or decision.lease.released:
-            return
-        tokens = self._tokens
-        output = tokens.output_tokens()
-        decision.lease.release(output, tokens.status, self._router.now())
-        request = decision.request
-        self._router.completed(request.model, request.prompt_tokens, output, tokens.status)
-        self._router.finished(decision, tokens.status)
+        if decision is not None and not decision.lease.released:
+            _finish(self._router, decision, self._tokens, self._tracer)
 
 
 class CountingProcessor:
@@ -511,12 +554,26 @@ class CountingProcessor:
     body ends or the stream closes.
     """
 
-    __slots__ = ("_decision", "_handoff", "_pod", "_prompt_tokens", "_router", "_tokens")
+    __slots__ = (
+        "_decision",
+        "_handoff",
+        "_pod",
+        "_prompt_tokens",
+        "_router",
+        "_tokens",
+        "_tracer",
+    )
     finished = False  # Envoy ends this stream; the plugin never answers on it
 
-    def __init__(self, router: Router, handoff: LeaseHandoff | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        handoff: LeaseHandoff | None = None,
+        tracer: TraceRecorder | None = None,
+    ) -> None:
         self._router = router
         self._handoff = handoff
+        self._tracer = tracer
         self._decision: Decision | None = None  # the lease the routing stream passed on
         self._pod: Pod | None = None
         self._prompt_tokens = 0
@@ -549,16 +606,14 @@ class CountingProcessor:
     def close(self) -> None:
         pod, decision = self._pod, self._decision
         self._pod = self._decision = None  # once
-        output = self._tokens.output_tokens()
-        status = self._tokens.status
         if decision is not None:  # this stream holds the request's lease: end it
-            decision.lease.release(output, status, self._router.now())
-            request = decision.request
-            self._router.completed(request.model, request.prompt_tokens, output, status)
-            self._router.finished(decision, status)
+            _finish(self._router, decision, self._tokens, self._tracer)
         elif pod is not None:
+            output = self._tokens.output_tokens()
             self._router.pool.credit_tokens(pod.key, output)
-            self._router.completed(pod.model, self._prompt_tokens, output, status)
+            self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
+            if self._tracer is not None:
+                _trace_completed(self._tracer, pod.model, self._tokens)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -567,8 +622,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         router: Router,
         hold_timeout_s: float = ENVOY_MAX_MESSAGE_TIMEOUT_S,
         max_headers: int = DEFAULT_MAX_HEADERS,
+        tracer: TraceRecorder | None = None,
     ) -> None:
+        """`tracer`, when tracing is on, hears of every request's arrival, routing, end and
+        reported size (a dict increment each)."""
         self.router = router
+        self.tracer = tracer
         self.errors = ErrorCounts()
         self.max_headers = max_headers
         # Sent before a held request's wait: Envoy then waits this long for the body reply
@@ -576,13 +635,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         timeout = duration_pb2.Duration()
         timeout.FromMilliseconds(round(hold_timeout_s * 1000))
         self._hold_notice = pb.ProcessingResponse(override_message_timeout=timeout)
-        self.handoff = LeaseHandoff(router)
+        self.handoff = LeaseHandoff(router, tracer=tracer)
 
     def processor_for(self, first: pb.ProcessingRequest, pick_only: bool = False) -> Processor:
         if first.observability_mode:
-            return CountingProcessor(self.router, self.handoff)
+            return CountingProcessor(self.router, self.handoff, self.tracer)
         handoff = self.handoff if pick_only else None
-        return RoutingProcessor(self.router, self.errors, self.max_headers, handoff)
+        return RoutingProcessor(self.router, self.errors, self.max_headers, handoff, self.tracer)
 
     async def Process(
         self,

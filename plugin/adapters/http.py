@@ -41,6 +41,16 @@ class SharedStateView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+class TracingView(Protocol):
+    """What the HTTP side reads of request tracing (`TraceFlusher`), when it is on."""
+
+    @property
+    def flush_errors_total(self) -> int: ...
+
+    @property
+    def windows_dropped_total(self) -> int: ...
+
+
 def _histogram(family: HistogramMetricFamily, labels: list[str], data: Buckets) -> None:
     bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
     buckets = [(b, c) for b, c in zip(bounds, data.counts, strict=True)]
@@ -85,8 +95,10 @@ class GatewayCollector(Collector):
         waiting: Callable[[], Mapping[str, int]] = dict,
         waits: WaitStats | None = None,
         predictions: PredictionStats | None = None,
+        tracing: TracingView | None = None,
     ) -> None:
         self._pool = pool
+        self._tracing = tracing
         self._waiting = waiting
         self._waits = waits
         self._predictions = predictions
@@ -174,6 +186,17 @@ class GatewayCollector(Collector):
                 "Other gateway replicas whose in-flight counts the last sync read.",
                 value=self._shared.other_gateways,
             )
+        if self._tracing is not None:
+            yield CounterMetricFamily(
+                "hetero_gateway_trace_flush_errors",
+                "Request-trace flushes to Redis that failed (their windows are retried).",
+                value=self._tracing.flush_errors_total,
+            )
+            yield CounterMetricFamily(
+                "hetero_gateway_trace_windows_dropped",
+                "Request-trace windows dropped unwritten after 600 s of failed flushes.",
+                value=self._tracing.windows_dropped_total,
+            )
 
 
 def debug_pods(
@@ -212,10 +235,13 @@ def build_app(
     profiles: ProfileLoader | None = None,
     waits: WaitStats | None = None,
     predictions: PredictionStats | None = None,
+    tracing: TracingView | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(
-        GatewayCollector(pool, errors, scraper, shared, gpu_label, waiting, waits, predictions)
+        GatewayCollector(
+            pool, errors, scraper, shared, gpu_label, waiting, waits, predictions, tracing
+        )
     )
 
     async def metrics(_: web.Request) -> web.Response:

@@ -59,6 +59,7 @@ __all__ = [
     "INSTANCE_FIELD",
     "KEY_PREFIX",
     "RedisState",
+    "connect",
     "inflight_key",
     "tokens_key",
 ]
@@ -72,6 +73,22 @@ TOKENS_TTL_S = 3600
 FORGET_GATEWAY_S = 300.0  # members silent this long leave the sorted set (clock skew margin)
 MAX_BACKOFF_S = 1.0
 REMINDER_S = 60.0  # while local-only, a reminder in the log at most this often
+
+
+def connect(settings: RedisSettings, timeout_s: float) -> Redis:
+    """A client for the gateway's background loops: every call fails within `timeout_s` and is
+    not retried by the client (the loop retries, with backoff, and degrades meanwhile)."""
+    return Redis(
+        host=settings.host,
+        port=settings.port,
+        db=settings.db,
+        password=settings.password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=True,
+        max_connections=2,
+    )
 
 
 def inflight_key(gateway_id: str) -> str:
@@ -128,19 +145,7 @@ class RedisState:
 
     # ---------------------------------------------------------------------------------------
     def _connect(self) -> Redis:
-        s = self.settings
-        return Redis(
-            host=s.host,
-            port=s.port,
-            db=s.db,
-            password=s.password,
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            # Retrying is this loop's job (backoff, local-only mode meanwhile), not the client's.
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-            max_connections=2,
-        )
+        return connect(self.settings, self.timeout_s)
 
     async def _drop_client(self) -> None:
         client, self._client = self._client, None

@@ -33,6 +33,7 @@ from plugin.errors import ConfigError, ShuttingDown
 
 if TYPE_CHECKING:
     from plugin.adapters.redis_state import RedisState
+    from plugin.adapters.tracing import TraceFlusher
 
 log = logging.getLogger("hetero_gateway")
 
@@ -131,9 +132,24 @@ class Gateway:
             time.monotonic,
             max_waiting=settings.max_waiting,
         )
+        # Request traces for the GPU optimizer: counted on the request path, written to Redis
+        # every 10 s by a background task (the flag without Redis stops start-up in config).
+        self.tracer: TraceFlusher | None = None
+        if settings.tracing and settings.redis is not None:
+            from plugin.adapters.tracing import TraceFlusher, TraceRecorder
+
+            self.tracer = TraceFlusher(
+                TraceRecorder(),
+                settings.redis,
+                queueing=self.router.waiting_by_model,
+                clock=self.router.now,  # what a request's `arrived_at` is measured on
+            )
         # A held request's reply may take up to the longest hold; 1 s more covers the answer.
         self.servicer = ExtProcServicer(
-            self.router, settings.slo.max_wait_s + 1.0, settings.max_request_headers
+            self.router,
+            settings.slo.max_wait_s + 1.0,
+            settings.max_request_headers,
+            tracer=None if self.tracer is None else self.tracer.recorder,
         )
         self.scraper = MetricsScraper(
             self.pool,
@@ -212,6 +228,7 @@ class Gateway:
             profiles=self.profile_loader,
             waits=self.router.waits,
             predictions=self.router.predictions,
+            tracing=self.tracer,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -227,6 +244,8 @@ class Gateway:
             self._background(self.shared.run(), "shared state")
         if self.profile_loader is not None:
             self._background(self.profile_loader.run(), "GPU profile loading")
+        if self.tracer is not None:
+            self._background(self.tracer.run(), "request tracing")
         log.info(
             "ext_proc gRPC on %s:%d, HTTP on %s:%d",
             self.host,
@@ -274,6 +293,8 @@ class Gateway:
                 await task
         if self.shared is not None:
             await self.shared.close()
+        if self.tracer is not None:  # after the drain: the last responses are in its window
+            await self.tracer.close()
         if self.profile_loader is not None:
             await self.profile_loader.close()
         if self._runner is not None:
