@@ -1,9 +1,9 @@
 """Command-line entry point: one sub-command per job, each registered by the module that owns it.
 
-The runtime's own commands (`serve`, `envoy-config`) are listed here. The tools (`mock-engine`,
-`up`, `simulate`, `bench`) live in `plugin_tools`, which the runtime never imports: they announce
-themselves as entry points of the group `hetero_gateway.commands` (`pyproject.toml`), so an
-installation without them (the plugin image) simply has fewer commands.
+The runtime's own commands (`serve`, `optimizer`, `envoy-config`) are listed here. The tools
+(`mock-engine`, `up`, `simulate`, `bench`, `profile`) live in `plugin_tools`, which the runtime
+never imports: they announce themselves as entry points of the group `hetero_gateway.commands`
+(`pyproject.toml`), so an installation without them (the plugin image) simply has fewer commands.
 
 Registration modules import nothing heavy at module level, so `hetero-gateway mock-engine` does not
 pay for gRPC and `hetero-gateway --help` stays fast.
@@ -20,7 +20,11 @@ from importlib.metadata import entry_points
 
 # Each `register_cli(subparsers)` adds a sub-command whose parser has
 # `set_defaults(func=callable(args) -> int)`.
-_RUNTIME_COMMANDS = ("plugin.adapters.serve_cli", "plugin.adapters.envoy_config")
+_RUNTIME_COMMANDS = (
+    "plugin.adapters.serve_cli",
+    "plugin.adapters.optimizer_cli",
+    "plugin.adapters.envoy_config",
+)
 COMMAND_GROUP = "hetero_gateway.commands"
 
 log = logging.getLogger(__name__)
