@@ -3,6 +3,11 @@
 # The runtime only: `plugin/` and the plain `pip install .` (no `demo` or `test` extra, so no Envoy
 # binary, plots or tools); it is installed into a venv in a build stage and only that venv is
 # copied into the final image.
+# The GPU optimizer's image is the same with the `optimizer` extra (SciPy, for its solver), run as
+# `hetero-gateway optimizer` (deploy/components/optimizer sets the command):
+#   docker build --build-arg EXTRAS=optimizer -t hetero-gateway-optimizer:0.1.0 .
+# Two tags rather than one image: SciPy and NumPy add about 200 MB that the gateway never imports,
+# to every gateway pod.
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
@@ -12,8 +17,10 @@ RUN python -m venv /opt/hetero-gateway
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY plugin ./plugin
+# Extras to install, comma-separated: empty (the plugin) or `optimizer`.
+ARG EXTRAS=""
 # pip and setuptools only install; the running plugin imports neither.
-RUN /opt/hetero-gateway/bin/pip install --no-cache-dir . \
+RUN /opt/hetero-gateway/bin/pip install --no-cache-dir ".${EXTRAS:+[$EXTRAS]}" \
     && /opt/hetero-gateway/bin/pip uninstall --yes setuptools pip
 
 FROM python:${PYTHON_VERSION}-slim
