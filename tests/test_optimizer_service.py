@@ -435,7 +435,9 @@ async def test_service_serves_on_its_port(
         url = f"http://127.0.0.1:{service.port}"
         async with http.get(f"{url}/healthz") as resp:
             assert resp.status == 200
-        assert await replicas_of(http, url, A40) == 0  # no traffic: min_replicas (0)
+        # No traffic plans min_replicas (0), but the first plan below what runs (one pod) waits
+        # for the scale-down windows like any other.
+        assert await replicas_of(http, url, A40) == 100
     finally:
         await service.stop()
 
@@ -460,3 +462,20 @@ async def test_a_profile_the_solver_refuses_keeps_the_last_plan(
     assert await replicas_of(http, harness.url, A40) == before
     async with http.get(f"{harness.url}/metrics") as resp:
         assert 'hetero_optimizer_errors_total{stage="solve"} 1.0' in await resp.text()
+
+
+async def test_arrivals_without_sizes_keep_the_last_plan(
+    harness: Harness, http: aiohttp.ClientSession
+) -> None:
+    await harness.write_windows(per_window=240)
+    await harness.optimizer.step()
+    before = await replicas_of(http, harness.url, A40)
+    # Streams without include_usage and still running: arrivals, no size. Not an idle fleet.
+    await harness.redis.flushdb()
+    newest = int(NOW) - int(NOW) % 10
+    doc = {"meta_v": 4, "meta_interval_sec": 10, "meta_precision": 10, "meta_total_reqs": 300}
+    for k in range(24):
+        await harness.redis.set(f"aibrix:{MODEL}_request_trace_{newest - 10 * k}", json.dumps(doc))
+    for _ in range(3):  # more rounds than the scale-down windows (2)
+        await harness.optimizer.step()
+    assert await replicas_of(http, harness.url, A40) == before

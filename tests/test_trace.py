@@ -154,7 +154,7 @@ def test_to_json_parse_round_trip_through_json_text() -> None:
     ),
     meta=st.tuples(st.integers(0, 10**9), st.integers(0, 10**6), st.integers(0, 10**6)),
     interval=st.integers(1, 60),
-    precision=st.integers(1, 100),
+    precision=st.integers(10, 100),  # ticks up to 400 are sizes below 2**40 tokens
 )
 def test_round_trip_of_any_window(
     counts: dict[str, int], meta: tuple[int, int, int], interval: int, precision: int
@@ -254,6 +254,8 @@ def test_v1_cells_read_at_precision_1() -> None:
         ({"1:2": 1.5}, "count '1:2'"),
         ({"1:2": float("inf")}, "count '1:2'"),
         ({"1:2": None}, "count '1:2'"),
+        ({"20000:10": 1}, "beyond 2**40 tokens"),  # 2 ** 2000 overflows a float
+        ({"41:0": 1}, "beyond"),  # precision 1 (version 1): 2**41 tokens
         ({"meta_v": 0}, "meta_v"),
         ({"meta_v": 5}, "newer than this reader"),
         ({"meta_v": "4"}, "meta_v"),
@@ -426,15 +428,18 @@ def body(model: str = MODEL) -> pb.ProcessingRequest:
     )
 
 
-def response(status: int = 200, observed: bool = False) -> list[pb.ProcessingRequest]:
+def response(
+    status: int = 200, observed: bool = False, usage: bool = True
+) -> list[pb.ProcessingRequest]:
     head = pb.ProcessingRequest(
         response_headers=pb.HttpHeaders(headers=header_map({":status": str(status)}))
     )
-    tail = pb.ProcessingRequest(
-        response_body=pb.HttpBody(
-            body=orjson.dumps({"choices": [], "usage": USAGE}), end_of_stream=True
-        )
-    )
+    if usage:
+        content = orjson.dumps({"choices": [], "usage": USAGE})
+    else:  # a stream sent without stream_options.include_usage: three chunks, no usage
+        chunk = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        content = chunk * 3 + b"data: [DONE]\n\n"
+    tail = pb.ProcessingRequest(response_body=pb.HttpBody(body=content, end_of_stream=True))
     head.observability_mode = tail.observability_mode = observed
     return [head, tail]
 
@@ -451,8 +456,9 @@ def feed(processor: Processor, messages: Sequence[pb.ProcessingRequest]) -> None
         processor.handle(m)
 
 
+@pytest.mark.parametrize("usage", [True, False], ids=["usage", "no-usage"])
 @pytest.mark.parametrize("wiring", ["streamed", "observe-pick-only", "observe"])
-async def test_each_request_is_counted_once_in_every_wiring(wiring: str) -> None:
+async def test_each_request_is_counted_once_in_every_wiring(wiring: str, usage: bool) -> None:
     p = request_path()
     rec = p.recorder
     routing = p.servicer.processor_for(headers(), pick_only=wiring == "observe-pick-only")
@@ -467,14 +473,19 @@ async def test_each_request_is_counted_once_in_every_wiring(wiring: str) -> None
     if wiring == "observe":  # the routing stream sees the response headers only
         routing.handle(response()[0])
     if counting is None:
-        feed(routing, response())
+        feed(routing, response(usage=usage))
     else:
-        feed(counting, response(observed=True))
+        feed(counting, response(observed=True, usage=usage))
         counting.close()
     routing.close()
     assert rec.in_flight(MODEL) == 0
     (w,) = rec.close(1700000000, 0.0, {})
-    assert (w.total_reqs, w.counts) == (1, {"100:66": 1})
+    if usage:
+        assert (w.total_reqs, w.counts) == (1, {"100:66": 1})
+    else:  # the prompt's estimate and the three counted chunks (tick(3) = 16): still one sample
+        assert w.total_reqs == 1 and sum(w.counts.values()) == 1, w.counts
+        (key,) = w.counts
+        assert key.endswith(f":{tick(3)}"), key
 
 
 async def test_a_failed_response_ends_without_a_size() -> None:

@@ -36,11 +36,12 @@ def profile(name: str, cost: float, scale: float) -> GpuProfile:
 
 @pytest.mark.parametrize(
     ("tokens", "expected"),
-    [(1, 0), (100, 0), (128, 0), (180, 0), (182, 1), (300, 1), (1024, 3), (1448, 3), (1449, None)],
-    ids=["one", "below-grid", "first", "nearer-first", "nearer-second", "between", "last",
-         "half-doubling-above", "beyond"],
+    [(1, 0), (100, 0), (128, 0), (180, 0), (181.02, 1), (182, 1), (300, 1), (1024, 3),
+     (100_000, 3)],
+    ids=["one", "below-grid", "first", "nearer-first", "tie-to-the-larger", "nearer-second",
+         "between", "last", "beyond"],
 )  # fmt: skip
-def test_nearest_cell(tokens: int, expected: int | None) -> None:
+def test_nearest_cell(tokens: float, expected: int) -> None:
     assert nearest_cell(TICKS, tokens) == expected
 
 
@@ -88,9 +89,10 @@ def test_problem_merges_sizes_that_share_cells_and_leaves_unprofiled_out() -> No
     assert (l20.min_replicas, l20.max_replicas) == (0, 3)
 
 
-def test_a_size_beyond_a_profile_is_one_it_cannot_serve() -> None:
-    # 4096 input tokens: beyond the grid (1024, + half a doubling) of both profiles.
-    windows = [window(0, {"120:40": 10}, total=10)]
+def test_a_size_beyond_a_profile_is_planned_at_its_largest_cell_and_reported() -> None:
+    # 4096 input tokens: beyond the grid (1024, + half a doubling). Planned at the edge cell as
+    # AIBrix's optimizer does, and its rate reported.
+    windows = [window(0, {"120:40": 10, "70:40": 10}, total=20)]
     built = build_problem(
         MODEL,
         [Deployment("ns", "a100", MODEL, replicas=1)],
@@ -98,8 +100,25 @@ def test_a_size_beyond_a_profile_is_one_it_cannot_serve() -> None:
         traffic(windows, 10),
         caps={"a100": 0},
     )
-    assert built.problem.candidates[0].tputs == (0.0,)
+    assert built.problem.candidates[0].tputs == pytest.approx(
+        (1000 / (16 * 128), 1000 / (16 * 1024))
+    )
+    assert built.beyond_grid == pytest.approx(1.0)
     assert built.problem.candidates[0].max_replicas == 0  # a cap by bare name
+
+
+def test_the_rate_is_taken_over_the_span_the_windows_cover() -> None:
+    # Two windows found of a 240 s look-back ending at 100: Redis lost the rest (or tracing just
+    # started), so the rate is over 20 s, not 240.
+    windows = [window(80, {"70:40": 10}, total=10), window(90, {"70:40": 10}, total=10)]
+    load = traffic(windows, lookback_s=240, until=100)
+    assert load.span_s == 20.0 and load.rate == pytest.approx(1.0)
+    # Traffic that stopped: its silent windows after the last one found still count.
+    load = traffic([window(0, {"70:40": 20}, total=20)], lookback_s=240, until=100)
+    assert load.span_s == 100.0 and load.rate == pytest.approx(0.2)
+    # Never longer than the look-back.
+    load = traffic([window(0, {"70:40": 20}, total=20)], lookback_s=60, until=1000)
+    assert load.span_s == 60.0
 
 
 def test_a_cap_below_the_floor_lowers_the_floor() -> None:

@@ -212,13 +212,20 @@ def _finish(
     router.finished(decision, status)
     if tracer is not None:
         tracer.ended(request.model, request.arrived_at)
-        _trace_completed(tracer, request.model, tokens)
+        _trace_completed(tracer, request.model, tokens, request.prompt_tokens)
 
 
-def _trace_completed(tracer: TraceRecorder, model: str, tokens: ResponseTokens) -> None:
+def _trace_completed(
+    tracer: TraceRecorder, model: str, tokens: ResponseTokens, prompt_estimate: int
+) -> None:
+    """A size sample for the optimizer: the engine's counts when it reported them; else, for a
+    served response whose tokens this stream counted (a stream without `include_usage`), the
+    prompt's estimate and the counted chunks, so such traffic is not invisible to the plan."""
     usage = tokens.usage()
-    if usage is not None:  # the engine's counts; a response without them is not a size sample
+    if usage is not None:
         tracer.completed(model, usage.prompt_tokens, usage.completion_tokens)
+    elif tokens.status == 200 and (output := tokens.output_tokens()) > 0:
+        tracer.completed(model, prompt_estimate, output)
 
 
 # What a processor answers one message with: a reply, an awaitable one (a held request), none.
@@ -613,7 +620,7 @@ class CountingProcessor:
             self._router.pool.credit_tokens(pod.key, output)
             self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
             if self._tracer is not None:
-                _trace_completed(self._tracer, pod.model, self._tokens)
+                _trace_completed(self._tracer, pod.model, self._tokens, self._prompt_tokens)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]

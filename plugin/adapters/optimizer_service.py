@@ -8,8 +8,8 @@ scale-down gate. AIBrix's PodAutoscaler reads the result from `GET /metrics/<ns>
 as `vllm:deployment_replicas{model_name="<m>"} <replicas x 100>` (1/100-GPU units, paired with
 `targetValue: "100"`).
 
-What it answers when it has no plan of its own: an operator's override (`PUT /scale`) wins over
-everything; a deployment without a profile, or before the first plan, gets what it runs now
+What it answers for a monitored deployment: an operator's override (`PUT /scale`) wins over the
+plan; a deployment without a profile, or before the first plan, gets what it runs now
 (the autoscaler holds it steady). Failures degrade, never flap: deployments that cannot be
 listed keep the last list; traces that cannot be read keep the last plan (an outage of Redis must
 not look like an idle fleet and scale everything to its minimum).
@@ -37,17 +37,17 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from plugin.adapters.discovery import load_pods_file
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
+from plugin.adapters.redis_state import connect
 from plugin.config import OptimizerSettings, RedisSettings, Settings
 from plugin.core.optimizer import Plan, ScaleDownGate, solve
 from plugin.core.profile import GpuProfile, ProfileBook
 from plugin.core.trace import TRACE_INTERVAL_S, TraceWindow, trace_key, window_start
 from plugin.core.workload import Deployment, ModelProblem, build_problem, traffic
-from plugin.errors import ConfigError, OptimizerInputError, TraceFormatError
+from plugin.errors import ConfigError, GatewayError, OptimizerInputError, TraceFormatError
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,11 @@ __all__ = [
 MODEL_LABEL = "model.aibrix.ai/name"
 MIN_REPLICAS_LABEL = "model.aibrix.ai/min_replicas"
 READ_DELAY_S = 2.0  # after a window closes: the gateways flush it just after the boundary
+TRACE_READ_TIMEOUT_S = 5.0
 REPLICA_UNITS = 100  # AIBrix's PodAutoscaler: targetValue "100" = one replica
 
 
-class UnknownDeployment(LookupError):
+class UnknownDeployment(GatewayError, LookupError):
     """The request names a deployment the optimizer does not know (or no longer monitors)."""
 
 
@@ -183,23 +184,20 @@ class PodsFileDeployments:
 
 
 class RedisTraces:
-    """Reads a model's closed trace windows of the look-back with one MGET."""
+    """Reads a model's closed trace windows of the look-back with one MGET, within
+    `timeout_s` and without client retries (a dead Redis costs a round one timeout, not a
+    minute of retries per model)."""
 
-    def __init__(self, settings: RedisSettings) -> None:
-        self._client = Redis(
-            host=settings.host,
-            port=settings.port,
-            db=settings.db,
-            password=settings.password,
-            socket_timeout=5.0,
-            socket_connect_timeout=5.0,
-        )
+    def __init__(self, settings: RedisSettings, timeout_s: float = TRACE_READ_TIMEOUT_S) -> None:
+        self._client = connect(settings, timeout_s)
+        self._timeout_s = timeout_s
         self.where = f"Redis {settings.host}:{settings.port}/{settings.db}"
 
     async def windows(self, model: str, now: float, lookback_s: float) -> list[TraceWindow]:
         last = window_start(now) - TRACE_INTERVAL_S  # the newest closed window
         starts = [last - k * TRACE_INTERVAL_S for k in range(int(lookback_s // TRACE_INTERVAL_S))]
-        raws = await self._client.mget([trace_key(model, s) for s in starts])
+        async with asyncio.timeout(self._timeout_s):
+            raws = await self._client.mget([trace_key(model, s) for s in starts])
         found = []
         for start, raw in zip(starts, raws, strict=True):
             if raw is None:
@@ -301,6 +299,7 @@ class Optimizer:
         self._held: dict[str, _Held] = {}
         self._last: dict[str, dict[str, Any]] = {}  # model -> the last plan and its inputs
         self.listed = False  # a deployment list has been read at least once
+        self._listing = asyncio.Lock()
         self.rounds = 0
 
     # -- the loop --
@@ -311,21 +310,21 @@ class Optimizer:
             wake = window_start(now) + TRACE_INTERVAL_S + READ_DELAY_S
             await asyncio.sleep(max(0.0, wake - now))
             try:
-                await self.step()
+                await self.step(wake)
             except Exception:  # one bad round must not end the loop
                 log.exception("optimization round failed")
                 self.metrics.errors.labels("solve").inc()
 
     async def refresh_deployments(self) -> bool:
+        async with self._listing:  # one list at a time, however many callers
+            return await self._refresh()
+
+    async def _refresh(self) -> bool:
         try:
             found = await self.source.fetch()
-        except ConfigError as exc:
-            log.warning(
-                "listing deployments from %s failed: %s; keeping the last", self.source.where, exc
-            )
-            self.metrics.errors.labels("deployments").inc()
-            return False
-        except Exception as exc:  # the Kubernetes client raises many kinds
+        except (
+            Exception
+        ) as exc:  # the Kubernetes client raises many kinds; a pods file, ConfigError
             log.warning(
                 "listing deployments from %s failed: %r; keeping the last", self.source.where, exc
             )
@@ -337,6 +336,8 @@ class Optimizer:
             held = self._held.get(d.key)
             if held is None:
                 self._held[d.key] = _Held(d)
+                # What it runs is the first proposal: a first plan below it waits like any other.
+                self.gate.step(d.key, d.replicas)
             else:
                 held.deployment = d
         for key in [k for k in self._held if k not in seen]:
@@ -345,14 +346,19 @@ class Optimizer:
         self.listed = True
         return True
 
-    async def step(self) -> None:
-        """One round: every model's plan from the traces of the look-back."""
+    async def step(self, now: float | None = None) -> None:
+        """One round: every model's plan from the traces of the look-back ending before `now`
+        (taken before listing deployments, which may take a while)."""
+        now = self.clock() if now is None else now
         self.rounds += 1
         await self.refresh_deployments()
-        now = self.clock()
         models = sorted({h.deployment.model for h in self._held.values() if h.monitored})
         for model in models:
-            await self._plan_model(model, now)
+            try:
+                await self._plan_model(model, now)
+            except Exception:  # one model's failure must not skip the others
+                log.exception("planning %s failed; keeping its last plan", model)
+                self.metrics.errors.labels("solve").inc()
         self._export()
 
     async def _plan_model(self, model: str, now: float) -> None:
@@ -363,16 +369,25 @@ class Optimizer:
             log.warning("reading traces of %s failed: %r; keeping the last plan", model, exc)
             self.metrics.errors.labels("traces").inc()
             return
+        load = traffic(windows, s.lookback_s, until=window_start(now))
+        if load.arrivals and not load.completions:
+            # Requests arrive but none reported its size (streams without include_usage, or
+            # all still running): no mix to plan for, and certainly not an idle fleet.
+            log.info(
+                "%s: %d arrivals, no sizes reported; keeping the last plan", model, load.arrivals
+            )
+            return
         deployments = [h.deployment for h in self._held.values() if h.monitored]
         profiles = self._profiles(model)
         inputs = build_problem(
-            model,
-            deployments,
-            profiles,
-            traffic(windows, s.lookback_s),
-            headroom=s.headroom,
-            caps=s.max_replicas,
+            model, deployments, profiles, load, headroom=s.headroom, caps=s.max_replicas
         )
+        if inputs.beyond_grid:
+            log.info(
+                "%s: %.3g req/s larger than a profile's grid, planned at its largest cell",
+                model,
+                inputs.beyond_grid,
+            )
         started = time.perf_counter()
         try:
             plan = await asyncio.to_thread(solve, inputs.problem)
@@ -388,11 +403,15 @@ class Optimizer:
         self.metrics.unserved.labels(model).set(sum(plan.unserved))
         published = {}
         for d in inputs.deployments:
+            held = self._held.get(d.key)
+            if held is None or not held.monitored:  # removed or unmonitored during the solve
+                continue
             count = self.gate.step(d.key, plan.replicas[d.key])
-            self._held[d.key].planned = count
+            held.planned = count
             published[d.key] = count
         for d in inputs.unprofiled:
-            self._held[d.key].planned = None
+            if (held := self._held.get(d.key)) is not None:
+                held.planned = None
         if inputs.unprofiled:
             log.info(
                 "%s: no profile for %s; left alone",
@@ -506,6 +525,8 @@ def _debug(
         "unprofiled": [d.key for d in inputs.unprofiled],
         "traffic": {
             "windows": inputs.traffic.windows,
+            "span_s": inputs.traffic.span_s,
+            "beyond_grid_rate": inputs.beyond_grid,
             "arrivals": inputs.traffic.arrivals,
             "completions": inputs.traffic.completions,
             "rate": inputs.traffic.rate,
@@ -694,9 +715,7 @@ class OptimizerService:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.settings.optimizer.port)
         await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else self.settings.optimizer.port
+        self.port = int(self._runner.addresses[0][1])
         log.info("GPU optimizer listening on %s:%d", self.host, self.port)
         self._tasks = [
             asyncio.create_task(self.profiles.run(), name="profiles"),

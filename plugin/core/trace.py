@@ -57,6 +57,7 @@ TRACE_KEY_PREFIX = "aibrix:"
 _META = "meta_"
 _CELL_RE = re.compile(r"^(\d+):(\d+)$")  # what AIBrix's reader accepts
 _MAX_VERSION = TRACE_VERSION
+MAX_LOG2_TOKENS = 40  # a bucket beyond 2**40 tokens is a corrupt key (and 2**x would overflow)
 
 
 def trace_key(model: str, window_start: int, interval: int = TRACE_INTERVAL_S) -> str:
@@ -159,7 +160,10 @@ class TraceWindow:
             match = _CELL_RE.match(key)
             if match is None:
                 raise TraceFormatError(f"key {key!r} is neither a meta_ field nor '<int>:<int>'")
-            cell = f"{int(match.group(1))}:{int(match.group(2))}"  # "07:3" and "7:3" are one
+            a, b = int(match.group(1)), int(match.group(2))
+            if max(a, b) > MAX_LOG2_TOKENS * precision:
+                raise TraceFormatError(f"key {key!r} is beyond 2**{MAX_LOG2_TOKENS} tokens")
+            cell = f"{a}:{b}"  # "07:3" and "7:3" are one
             counts[cell] = counts.get(cell, 0) + _count(value, f"count {key!r}")
         total = pending = queueing = 0
         if version >= 3:

@@ -7,11 +7,18 @@ mean rate of the last few minutes: the completions give the mix of sizes, the ar
 fresher figure). A window with arrivals but no completion (every request still running) gives no
 mix: its arrivals are spread over the mix of the other windows.
 
-Each bucket maps to one cell of each deployment's profile: the tick nearest in log2, a request
-smaller than the grid to the smallest tick (a conservative capacity: smaller requests are cheaper)
-and one more than half a doubling above the top tick to no cell (the profile never measured
-anything that large: that deployment cannot claim it). Buckets that land on the same cell of every
-profile are merged, so the problem has at most one row per distinct cell tuple, not per bucket.
+Missing windows are not traffic-free windows: gateways write nothing for an empty window, and
+a Redis that restarted (or tracing just turned on) holds only the windows since. So the rate is
+taken over the span the windows cover, from the oldest one found to the end of the newest closed
+window, at most the look-back: a fleet is not scaled to a quarter of its traffic because three
+quarters of its history were lost. (Traffic that really stopped still counts its silent windows:
+they lie between the oldest window found and the end.)
+
+Each bucket maps to one cell of each deployment's profile: the tick nearest in log2, clamped to
+the grid at both ends as AIBrix's optimizer does (a size above the largest tick is planned at
+the largest cell, which is optimistic for it: `ModelProblem.beyond_grid` says how much traffic
+that is, and the service logs it). Buckets that land on the same cell of every profile are
+merged, so the problem has at most one row per distinct cell tuple, not per bucket.
 
 A deployment without a profile is left out of the problem (the service leaves it alone and
 reports it); a deployment is matched to its profile by name (`aibrix:profile_<model>_<name>`), as
@@ -42,6 +49,9 @@ __all__ = [
 
 class WindowCounts(Protocol):
     """What the workload reads of one trace window (`plugin.core.trace.TraceWindow`)."""
+
+    @property
+    def start(self) -> int: ...
 
     @property
     def total_reqs(self) -> int: ...
@@ -77,44 +87,56 @@ class Traffic:
     arrivals: int  # requests that arrived over the look-back
     completions: int  # requests that completed (with token counts) over it
     windows: int  # windows found
+    span_s: float = 0.0  # the seconds the rate is taken over
 
     @property
     def rate(self) -> float:
         return sum(c.rate for c in self.cells)
 
 
-def traffic(windows: Iterable[WindowCounts], lookback_s: float) -> Traffic:
-    """The mean request rate per size bucket over `lookback_s` seconds of windows."""
+def traffic(
+    windows: Iterable[WindowCounts], lookback_s: float, until: int | None = None
+) -> Traffic:
+    """The mean request rate per size bucket over the span the windows cover: from the oldest
+    window's start to `until` (the end of the newest closed window), at most `lookback_s`
+    seconds; the whole look-back when `until` is None."""
     if not lookback_s > 0:
         raise ValueError("lookback_s must be > 0")
     counts: dict[tuple[float, float], int] = {}
     arrivals = completions = found = 0
+    oldest: int | None = None
     for window in windows:
         found += 1
+        oldest = window.start if oldest is None else min(oldest, window.start)
         arrivals += window.total_reqs
         for input_tokens, output_tokens, count in window.cells():
             if count > 0:
                 key = (input_tokens, output_tokens)
                 counts[key] = counts.get(key, 0) + count
                 completions += count
+    span = float(lookback_s)
+    if until is not None and oldest is not None:
+        span = min(span, max(float(until - oldest), 1.0))
     if completions == 0:
-        return Traffic((), arrivals, 0, found)
-    level = max(arrivals, completions) / completions / lookback_s
+        return Traffic((), arrivals, 0, found, span)
+    level = max(arrivals, completions) / completions / span
     cells = tuple(
         TrafficCell(i, o, n * level) for (i, o), n in sorted(counts.items(), key=lambda kv: kv[0])
     )
-    return Traffic(cells, arrivals, completions, found)
+    return Traffic(cells, arrivals, completions, found, span)
 
 
-def nearest_cell(ticks: Sequence[int], tokens: float) -> int | None:
-    """The tick nearest in log2 to `tokens`; below the grid the smallest; None more than half a
-    doubling above the largest."""
+def nearest_cell(ticks: Sequence[int], tokens: float) -> int:
+    """The tick nearest in log2 to `tokens`, clamped to the grid (a tie goes to the larger,
+    costlier cell)."""
     if not ticks:
-        return None
+        raise ValueError("a profile grid has at least one tick")
     x = math.log2(max(tokens, 1.0))
-    if x > math.log2(ticks[-1]) + 0.5:
-        return None
-    return min(range(len(ticks)), key=lambda k: abs(math.log2(ticks[k]) - x))
+    return min(range(len(ticks)), key=lambda k: (abs(math.log2(ticks[k]) - x), -k))
+
+
+def _beyond(ticks: Sequence[int], tokens: float) -> bool:
+    return math.log2(max(tokens, 1.0)) > math.log2(ticks[-1]) + 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +149,7 @@ class ModelProblem:
     deployments: tuple[Deployment, ...]  # in the order of problem.candidates
     unprofiled: tuple[Deployment, ...]  # left alone: no profile
     traffic: Traffic
+    beyond_grid: float = 0.0  # req/s of sizes more than half a doubling above some profile's grid
 
 
 def build_problem(
@@ -144,18 +167,22 @@ def build_problem(
     ours = sorted((d for d in deployments if d.model == model), key=lambda d: d.key)
     profiled = [d for d in ours if d.name in profiles]
     unprofiled = tuple(d for d in ours if d.name not in profiles)
-    groups: dict[tuple[tuple[int, int] | None, ...], list[TrafficCell]] = {}
+    groups: dict[tuple[tuple[int, int], ...], list[TrafficCell]] = {}
+    beyond = 0.0
     for cell in load.cells:
         key = tuple(_cell(profiles[d.name], cell) for d in profiled)
         groups.setdefault(key, []).append(cell)
+        if any(
+            _beyond(p.out_ticks, cell.output_tokens) or _beyond(p.in_ticks, cell.input_tokens)
+            for p in (profiles[d.name] for d in profiled)
+        ):
+            beyond += cell.rate
     ordered = sorted(groups.items(), key=lambda kv: (kv[1][0].input_tokens, kv[1][0].output_tokens))
     rates = tuple(sum(c.rate for c in cells) for _, cells in ordered)
     candidates = []
     for k, d in enumerate(profiled):
         profile = profiles[d.name]
-        tputs = tuple(
-            0.0 if (idx := key[k]) is None else profile.tputs[idx[0]][idx[1]] for key, _ in ordered
-        )
+        tputs = tuple(profile.tputs[key[k][0]][key[k][1]] for key, _ in ordered)
         cap = caps.get(d.key, caps.get(d.name))
         candidates.append(
             Candidate(
@@ -173,10 +200,12 @@ def build_problem(
         deployments=tuple(profiled),
         unprofiled=unprofiled,
         traffic=load,
+        beyond_grid=beyond,
     )
 
 
-def _cell(profile: GpuProfile, cell: TrafficCell) -> tuple[int, int] | None:
-    i = nearest_cell(profile.out_ticks, cell.output_tokens)
-    j = nearest_cell(profile.in_ticks, cell.input_tokens)
-    return None if i is None or j is None else (i, j)
+def _cell(profile: GpuProfile, cell: TrafficCell) -> tuple[int, int]:
+    return (
+        nearest_cell(profile.out_ticks, cell.output_tokens),
+        nearest_cell(profile.in_ticks, cell.input_tokens),
+    )
