@@ -65,9 +65,12 @@ async def _send(fleet: LocalFleet, n: int, strategy: str) -> list[tuple[str, str
     return sent
 
 
-async def _served_by(fleet: LocalFleet, n: int) -> Counter[str]:
-    """Which engine served each of `n` short requests under least-request."""
-    return Counter(engine for engine, _ in await _send(fleet, n, "least-request"))
+async def _served_by(fleet: LocalFleet, n: int, strategy: str = "least-request") -> Counter[str]:
+    """Which engine served each of `n` short requests, one after another. Under least-request
+    every pod is idle at each pick, so it picks at random among them: "a pod gets some of 6"
+    fails 1 time in 64 there; round-robin alternates, so a pod back in rotation gets exactly
+    half."""
+    return Counter(engine for engine, _ in await _send(fleet, n, strategy))
 
 
 def _engine(fleet: LocalFleet, preset: str) -> tuple[str, int]:
@@ -80,7 +83,7 @@ async def test_a_hung_engine_leaves_rotation_and_returns_when_it_answers(tmp_pat
     spec = FleetSpec(model=MODEL, presets=("a100", "l20"), listen_port=free_port())
     async with LocalFleet(spec, str(tmp_path)) as fleet:
         name, pid = _engine(fleet, "a100")
-        assert (await _served_by(fleet, 4))[name] > 0
+        assert (await _served_by(fleet, 4, "round-robin"))[name] == 2
         os.kill(pid, signal.SIGSTOP)
         try:
             assert await _until(fleet, name, True, DETECT_S) < DETECT_S
@@ -88,7 +91,7 @@ async def test_a_hung_engine_leaves_rotation_and_returns_when_it_answers(tmp_pat
         finally:
             os.kill(pid, signal.SIGCONT)
         assert await _until(fleet, name, False, DETECT_S) < DETECT_S
-        assert (await _served_by(fleet, 6))[name] > 0
+        assert (await _served_by(fleet, 6, "round-robin"))[name] == 3  # back in rotation
 
 
 async def test_a_dead_engine_costs_no_burst_and_is_back_within_seconds(tmp_path: Path) -> None:
@@ -102,7 +105,7 @@ async def test_a_dead_engine_costs_no_burst_and_is_back_within_seconds(tmp_path:
         assert (await _served_by(fleet, 8)) == Counter({"l20-0": 8})
         await fleet.restart_engine(engine)
         assert await _until(fleet, name, False, DETECT_S) < DETECT_S
-        assert (await _served_by(fleet, 6))[name] > 0
+        assert (await _served_by(fleet, 6, "round-robin"))[name] == 3  # back in rotation
 
 
 async def test_the_503_for_an_engine_that_refuses_is_openai_json(tmp_path: Path) -> None:
