@@ -26,7 +26,7 @@ from plugin.config import RedisSettings
 from plugin.core.trace import TRACE_TTL_S, TraceWindow, trace_key
 from plugin.core.types import Pod
 from plugin_tools.demo.redis_server import RedisServer
-from tests.helpers import StartGateway, eventually, metric_value, write_pods_file
+from tests.helpers import StartGateway, debug_pods, eventually, metric_value, write_pods_file
 
 pytestmark = pytest.mark.component
 
@@ -304,6 +304,11 @@ async def test_the_gateway_traces_when_the_flag_is_set(
     url = f"http://127.0.0.1:{gateway.http_port}"
     async with aiohttp.ClientSession() as session:
         assert await metric_value(session, url, "hetero_gateway_trace_flush_errors_total") == 0
+        tracing = (await debug_pods(session, url))["tracing"]
+        assert tracing["redis"] == f"{redis_server.host}:{redis_server.port}"
+        assert tracing["windows_written_total"] == tracing["windows_replaced_total"] == 0
+        untraced_url = f"http://127.0.0.1:{untraced.http_port}"
+        assert (await debug_pods(session, untraced_url))["tracing"] == {"mode": "off"}
     await gateway.stop()  # the open window is written at shutdown
     _, doc = await only_trace(redis_server)
     assert doc["meta_total_reqs"] == 1

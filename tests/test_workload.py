@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from plugin.core.profile import GpuProfile
+from plugin.core.profile import GpuProfile, nearest_tick
 from plugin.core.trace import TraceWindow
-from plugin.core.workload import Deployment, build_problem, nearest_cell, traffic
+from plugin.core.workload import Deployment, build_problem, traffic
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +41,8 @@ def profile(name: str, cost: float, scale: float) -> GpuProfile:
     ids=["one", "below-grid", "first", "nearer-first", "tie-to-the-larger", "nearer-second",
          "between", "last", "beyond"],
 )  # fmt: skip
-def test_nearest_cell(tokens: float, expected: int) -> None:
-    assert nearest_cell(TICKS, tokens) == expected
+def test_nearest_tick_is_clamped(tokens: float, expected: int) -> None:
+    assert nearest_tick(TICKS, tokens) == expected
 
 
 def test_traffic_takes_the_mix_from_completions_and_the_level_from_arrivals() -> None:

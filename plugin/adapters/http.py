@@ -50,6 +50,8 @@ class TracingView(Protocol):
     @property
     def windows_dropped_total(self) -> int: ...
 
+    def status(self) -> dict[str, Any]: ...
+
 
 def _histogram(family: HistogramMetricFamily, labels: list[str], data: Buckets) -> None:
     bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
@@ -206,9 +208,10 @@ def debug_pods(
     gpu_label: str = DEFAULT_GPU_LABEL,
     waiting: Mapping[str, int] | None = None,
     profiles: ProfileLoader | None = None,
+    tracing: TracingView | None = None,
 ) -> dict[str, Any]:
     """The pool's snapshot, each pod's GPU type and whether its deployment has a GPU profile,
-    held requests, the shared-state status and the profiles known."""
+    held requests, the shared-state and tracing status and the profiles known."""
     doc = pool.snapshot(now)
     for entry in doc["pods"].values():
         entry["gpu"] = entry["labels"].get(gpu_label)
@@ -219,6 +222,7 @@ def debug_pods(
     doc["waiting"] = dict(waiting or {})
     doc["shared_state"] = {"mode": "off"} if shared is None else shared.status()
     doc["profiles"] = {"source": "none"} if profiles is None else profiles.status()
+    doc["tracing"] = {"mode": "off"} if tracing is None else tracing.status()
     return doc
 
 
@@ -261,7 +265,9 @@ def build_app(
 
     async def pods(_: web.Request) -> web.Response:
         return web.Response(
-            body=orjson.dumps(debug_pods(pool, clock(), shared, gpu_label, waiting(), profiles)),
+            body=orjson.dumps(
+                debug_pods(pool, clock(), shared, gpu_label, waiting(), profiles, tracing)
+            ),
             content_type="application/json",
         )
 

@@ -298,7 +298,6 @@ class Optimizer:
         self.metrics = _Metrics()
         self._held: dict[str, _Held] = {}
         self._last: dict[str, dict[str, Any]] = {}  # model -> the last plan and its inputs
-        self.listed = False  # a deployment list has been read at least once
         self._listing = asyncio.Lock()
         self.rounds = 0
 
@@ -343,7 +342,6 @@ class Optimizer:
         for key in [k for k in self._held if k not in seen]:
             del self._held[key]
             self.gate.forget(key)
-        self.listed = True
         return True
 
     async def step(self, now: float | None = None) -> None:

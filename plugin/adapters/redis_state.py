@@ -106,7 +106,8 @@ def _int(value: Any) -> int | None:
         return None
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """An exception in one log line: its class, and its message when it has one."""
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
@@ -257,7 +258,7 @@ class RedisState:
     async def _failed(self, exc: BaseException, taken: Mapping[str, int]) -> None:
         self._pool.leave_shared_tokens(taken)
         self.sync_errors_total += 1
-        self.last_error = _describe(exc)
+        self.last_error = describe_error(exc)
         now = self._clock()
         if self._last_ok is None or now - self._last_ok > self.settings.ttl_s:
             # What other gateways had in flight is older than their entries would live: drop it.

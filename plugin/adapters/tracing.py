@@ -51,7 +51,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
-from plugin.adapters.redis_state import KEY_PREFIX, connect
+from plugin.adapters.redis_state import KEY_PREFIX, connect, describe_error
 from plugin.config import RedisSettings
 from plugin.core.trace import (
     TRACE_INTERVAL_S,
@@ -223,11 +223,6 @@ class TraceRecorder:
         return windows
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 class TraceFlusher:
     """Closes each window just after it ends and merges it into Redis (module docstring)."""
 
@@ -361,7 +356,7 @@ class TraceFlusher:
 
     def _failed(self, exc: BaseException) -> None:
         self.flush_errors_total += 1
-        self.last_error = _describe(exc)
+        self.last_error = describe_error(exc)
         now = self._clock()
         s = self.settings
         if self.up:
@@ -420,6 +415,7 @@ class TraceFlusher:
             "windows_pending": len(self._pending),
             "windows_written_total": self.windows_written_total,
             "windows_dropped_total": self.windows_dropped_total,
+            "windows_replaced_total": self.windows_replaced_total,
             "flush_errors_total": self.flush_errors_total,
             "last_error": self.last_error,
         }

@@ -20,7 +20,7 @@ from typing import Any
 
 from plugin.errors import ConfigError
 
-__all__ = ["SLO_NAMES", "GpuProfile", "ProfileBook", "parse_profile", "profile_key"]
+__all__ = ["SLO_NAMES", "GpuProfile", "ProfileBook", "nearest_tick", "parse_profile", "profile_key"]
 
 # AIBrix's SLO argument names, in the order its profile builder applies them.
 SLO_NAMES = ("tput", "tt", "e2e", "ttft", "tpat", "tpot")
@@ -71,16 +71,28 @@ class GpuProfile:
         j = _nearest(self.in_ticks, input_tokens)
         return None if i is None or j is None else (i, j)
 
+    def clamped_cell(self, input_tokens: float, output_tokens: float) -> tuple[int, int]:
+        """The (out, in) cell nearest in log2, clamped to the grid at both ends (AIBrix's
+        optimizer plans a size outside the grid at the border cell)."""
+        return nearest_tick(self.out_ticks, output_tokens), nearest_tick(
+            self.in_ticks, input_tokens
+        )
+
+
+def nearest_tick(ticks: Sequence[int], tokens: float) -> int:
+    """Index of the tick nearest in log2 to `tokens`, clamped to the grid (a tie goes to the
+    larger, costlier tick)."""
+    if not ticks:
+        raise ValueError("a profile grid has at least one tick")
+    x = math.log2(max(tokens, 1.0))
+    return min(range(len(ticks)), key=lambda k: (abs(math.log2(ticks[k]) - x), -k))
+
 
 def _nearest(ticks: Sequence[int], tokens: int) -> int | None:
-    """Index of the tick nearest in log2 (tolerance 0.5 of a doubling at either end)."""
+    """Index of the tick nearest in log2, or None more than half a doubling outside the grid."""
+    k = nearest_tick(ticks, tokens)
     x = math.log2(max(tokens, 1))
-    best, distance = None, math.inf
-    for k, tick in enumerate(ticks):
-        d = abs(math.log2(tick) - x)
-        if d < distance:
-            best, distance = k, d
-    return best if distance <= 0.5 or _inside(ticks, x) else None
+    return k if abs(math.log2(ticks[k]) - x) <= 0.5 or _inside(ticks, x) else None
 
 
 def _inside(ticks: Sequence[int], x: float) -> bool:

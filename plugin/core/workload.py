@@ -42,7 +42,6 @@ __all__ = [
     "TrafficCell",
     "WindowCounts",
     "build_problem",
-    "nearest_cell",
     "traffic",
 ]
 
@@ -126,15 +125,6 @@ def traffic(
     return Traffic(cells, arrivals, completions, found, span)
 
 
-def nearest_cell(ticks: Sequence[int], tokens: float) -> int:
-    """The tick nearest in log2 to `tokens`, clamped to the grid (a tie goes to the larger,
-    costlier cell)."""
-    if not ticks:
-        raise ValueError("a profile grid has at least one tick")
-    x = math.log2(max(tokens, 1.0))
-    return min(range(len(ticks)), key=lambda k: (abs(math.log2(ticks[k]) - x), -k))
-
-
 def _beyond(ticks: Sequence[int], tokens: float) -> bool:
     return math.log2(max(tokens, 1.0)) > math.log2(ticks[-1]) + 0.5
 
@@ -170,7 +160,9 @@ def build_problem(
     groups: dict[tuple[tuple[int, int], ...], list[TrafficCell]] = {}
     beyond = 0.0
     for cell in load.cells:
-        key = tuple(_cell(profiles[d.name], cell) for d in profiled)
+        key = tuple(
+            profiles[d.name].clamped_cell(cell.input_tokens, cell.output_tokens) for d in profiled
+        )
         groups.setdefault(key, []).append(cell)
         if any(
             _beyond(p.out_ticks, cell.output_tokens) or _beyond(p.in_ticks, cell.input_tokens)
@@ -201,11 +193,4 @@ def build_problem(
         unprofiled=unprofiled,
         traffic=load,
         beyond_grid=beyond,
-    )
-
-
-def _cell(profile: GpuProfile, cell: TrafficCell) -> tuple[int, int]:
-    return (
-        nearest_cell(profile.out_ticks, cell.output_tokens),
-        nearest_cell(profile.in_ticks, cell.input_tokens),
     )
