@@ -1236,19 +1236,21 @@ def test_shared_state_check_catches_mistakes(
         check_shared_state(objs)
 
 
-def test_shared_state_component_also_fits_override_host(tmp_path: Path, render: Kustomize) -> None:
-    """The component adds to either variant; here to override-host, which stays fail-open."""
+def override_host_with(tmp_path: Path, render: Kustomize, *components: Path) -> list[Obj]:
+    """The override-host overlay with `components` added, rendered."""
     overlay = tmp_path / "overlay"
     overlay.mkdir()
-
-    def rel(path: Path) -> str:
-        return os.path.relpath(path, overlay)
-
+    rel = [os.path.relpath(c, overlay) for c in components]
     (overlay / "kustomization.yaml").write_text(
-        f"resources: [{rel(DEPLOY / 'overlays' / 'override-host')}]\n"
-        f"components: [{rel(SHARED_STATE_COMPONENT)}]\n"
+        f"resources: [{os.path.relpath(DEPLOY / 'overlays' / 'override-host', overlay)}]\n"
+        f"components: [{', '.join(rel)}]\n"
     )
-    objs = render.build(overlay)
+    return render.build(overlay)
+
+
+def test_shared_state_component_also_fits_override_host(tmp_path: Path, render: Kustomize) -> None:
+    """The component adds to either variant; here to override-host, which stays fail-open."""
+    objs = override_host_with(tmp_path, render, SHARED_STATE_COMPONENT)
     check_shared_state(objs)
     assert one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] is True
     assert find(objs, "EnvoyPatchPolicy") == []
@@ -1578,17 +1580,7 @@ def test_optimizer_check_catches_mistakes(
 
 def test_optimizer_component_also_fits_override_host(tmp_path: Path, render: Kustomize) -> None:
     """Both components added to override-host: Redis, the optimizer, tracing; still fail-open."""
-    overlay = tmp_path / "overlay"
-    overlay.mkdir()
-
-    def rel(path: Path) -> str:
-        return os.path.relpath(path, overlay)
-
-    (overlay / "kustomization.yaml").write_text(
-        f"resources: [{rel(DEPLOY / 'overlays' / 'override-host')}]\n"
-        f"components: [{rel(SHARED_STATE_COMPONENT)}, {rel(OPTIMIZER_COMPONENT)}]\n"
-    )
-    objs = render.build(overlay)
+    objs = override_host_with(tmp_path, render, SHARED_STATE_COMPONENT, OPTIMIZER_COMPONENT)
     check_shared_state(objs)
     check_optimizer(objs)
     assert one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] is True

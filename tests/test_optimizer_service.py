@@ -10,7 +10,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,34 +105,48 @@ class Harness:
             await self.redis.set(key, window_doc(per_window), ex=600)
 
 
+MakeHarness = Callable[[list[tuple[str, str, str]], OptimizerSettings], Awaitable[Harness]]
+
+
 @pytest_asyncio.fixture
-async def harness(
+async def make_harness(
     redis_server: RedisServer, profiles: Path, tmp_path: Path, serve_app: ServeApp
-) -> AsyncIterator[Harness]:
-    pods = tmp_path / "pods.yaml"
-    pods.write_text(
-        json.dumps(pods_doc([("a100-0", A100, "1"), ("a40-0", A40, ""), ("h100-0", "h100", "")]))
-    )
-    settings = OptimizerSettings(scale_down_windows=2)
-    redis_settings = RedisSettings(host=redis_server.host, port=redis_server.port)
-    book = ProfileBook()
-    loader = DirectoryProfiles(book, str(profiles))
-    assert await loader.load_once()
-    traces = RedisTraces(redis_settings)
-    optimizer = Optimizer(
-        settings,
-        PodsFileDeployments(str(pods), "app.kubernetes.io/name"),
-        traces,
-        book,
-        loader,
-        clock=lambda: NOW,
-    )
-    assert await optimizer.refresh_deployments()  # as the service does before it serves
-    port = await serve_app(build_app(optimizer))
-    client = aredis.Redis(host=redis_server.host, port=redis_server.port)
-    yield Harness(optimizer, f"http://127.0.0.1:{port}", client, pods)
-    await client.aclose()
-    await traces.close()
+) -> AsyncIterator[MakeHarness]:
+    """An optimizer over a pods file of `pods`, AIBrix's profiles and the test's redis-server,
+    its HTTP API served on loopback, its clock at NOW."""
+    made: list[tuple[RedisTraces, aredis.Redis]] = []
+
+    async def make(pods: list[tuple[str, str, str]], settings: OptimizerSettings) -> Harness:
+        path = tmp_path / f"pods-{len(made)}.yaml"
+        path.write_text(json.dumps(pods_doc(pods)))
+        book = ProfileBook()
+        loader = DirectoryProfiles(book, str(profiles))
+        assert await loader.load_once()
+        traces = RedisTraces(RedisSettings(host=redis_server.host, port=redis_server.port))
+        client = aredis.Redis(host=redis_server.host, port=redis_server.port)
+        made.append((traces, client))
+        optimizer = Optimizer(
+            settings,
+            PodsFileDeployments(str(path), "app.kubernetes.io/name"),
+            traces,
+            book,
+            loader,
+            clock=lambda: NOW,
+        )
+        assert await optimizer.refresh_deployments()  # as the service does before it serves
+        port = await serve_app(build_app(optimizer))
+        return Harness(optimizer, f"http://127.0.0.1:{port}", client, path)
+
+    yield make
+    for traces, client in made:
+        await client.aclose()
+        await traces.close()
+
+
+@pytest_asyncio.fixture
+async def harness(make_harness: MakeHarness) -> Harness:
+    pods = [("a100-0", A100, "1"), ("a40-0", A40, ""), ("h100-0", "h100", "")]
+    return await make_harness(pods, OptimizerSettings(scale_down_windows=2))
 
 
 async def replicas_of(http: aiohttp.ClientSession, url: str, deployment: str) -> float:
@@ -204,31 +218,17 @@ async def test_scale_down_waits_and_redis_outage_keeps_the_plan(
 
 
 async def test_caps_move_traffic_to_the_pricier_type(
-    redis_server: RedisServer, profiles: Path, tmp_path: Path, serve_app: ServeApp,
-    http: aiohttp.ClientSession,
-) -> None:  # fmt: skip
-    pods = tmp_path / "pods.yaml"
-    pods.write_text(json.dumps(pods_doc([("a100-0", A100, ""), ("a40-0", A40, "")])))
-    book = ProfileBook()
-    assert await DirectoryProfiles(book, str(profiles)).load_once()
-    traces = RedisTraces(RedisSettings(host=redis_server.host, port=redis_server.port))
-    optimizer = Optimizer(
-        OptimizerSettings(max_replicas={A40: 1}),
-        PodsFileDeployments(str(pods), "app.kubernetes.io/name"),
-        traces,
-        book,
-        clock=lambda: NOW,
+    make_harness: MakeHarness, profiles: Path, http: aiohttp.ClientSession
+) -> None:
+    h = await make_harness(
+        [("a100-0", A100, ""), ("a40-0", A40, "")], OptimizerSettings(max_replicas={A40: 1})
     )
-    url = f"http://127.0.0.1:{await serve_app(build_app(optimizer))}"
-    client = aredis.Redis(host=redis_server.host, port=redis_server.port)
-    await Harness(optimizer, url, client, pods).write_windows(per_window=120)
-    await optimizer.step()
-    a40, a100 = await replicas_of(http, url, A40), await replicas_of(http, url, A100)
+    await h.write_windows(per_window=120)
+    await h.optimizer.step()
+    a40, a100 = await replicas_of(http, h.url, A40), await replicas_of(http, h.url, A100)
     assert a40 == 100  # at its cap
     rest = 12.0 - tput(profiles, A40)
     assert a100 == 100 * math.ceil(rest / tput(profiles, A100))
-    await client.aclose()
-    await traces.close()
 
 
 @pytest.mark.parametrize(

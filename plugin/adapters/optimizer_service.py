@@ -247,9 +247,11 @@ class _Metrics:
             registry=r,
         )
         self.cost = Gauge(
-            "hetero_optimizer_plan_cost", "Cost of the last plan (sum of cost x replicas).",
-            ["model"], registry=r,
-        )  # fmt: skip
+            "hetero_optimizer_plan_cost",
+            "Cost of the last plan (sum of cost x replicas).",
+            ["model"],
+            registry=r,
+        )
         self.rate = Gauge(
             "hetero_optimizer_request_rate",
             "Mean request rate (req/s) over the look-back that the last plan served.",
