@@ -33,17 +33,32 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import orjson
 import yaml
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from routing_decision import BODY, MODEL  # the same ~2 KB chat body as the in-process figures
+from routing_decision import (  # the same ~2 KB chat body and GPU profiles as in process
+    BODY,
+    MODEL,
+    gpu_profiles,
+)
 
+from plugin.config import DEFAULT_DEPLOYMENT_LABEL as DEPLOYMENT_LABEL
 from plugin_tools.demo.fleet import free_port, process_cpu_seconds
 from plugin_tools.docsection import write_section
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plugin-cost.md"
-STRATEGIES = ("load-balance", "least-request", "power-of-two", "round-robin", "random")
+STRATEGIES = (
+    "load-balance",
+    "least-request",
+    "power-of-two",
+    "round-robin",
+    "random",
+    "slo",
+    "slo-least-load",
+    "slo-pack-load",
+)
 
 
 def _headers(pairs: dict[str, str]) -> base_pb2.HeaderMap:
@@ -69,22 +84,40 @@ def _exchange(i: int) -> list[pb.ProcessingRequest]:
     ]
 
 
-def pods_document(n: int) -> dict[str, object]:
+def pods_document(n: int, gpus: list[str]) -> dict[str, object]:
+    """N pods, the GPU types in turn (the deployment label names each pod's profile)."""
     pods = [
-        {"name": f"p{i}", "address": f"127.1.{i // 250}.{i % 250 + 1}", "port": 8000}
+        {
+            "name": f"p{i}",
+            "address": f"127.1.{i // 250}.{i % 250 + 1}",
+            "port": 8000,
+            "labels": {DEPLOYMENT_LABEL: gpus[i % len(gpus)]},
+        }
         for i in range(n)
     ]
     return {"models": {MODEL: {"pods": pods}}}
 
 
+def write_profiles(folder: Path) -> list[str]:
+    """AIBrix's sample profiles as the gateway's profile directory (`<model>/<gpu>.json`)."""
+    for gpu, profile in gpu_profiles().items():
+        path = folder / MODEL / f"{gpu}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orjson.dumps(profile.to_json()))
+    return sorted(gpu_profiles())
+
+
 class Plugin:
     """One `serve` process on free ports with a pods file of N pods."""
 
-    def __init__(self, command: list[str], pods_file: Path, strategy: str) -> None:
+    def __init__(
+        self, command: list[str], pods_file: Path, profile_dir: Path, strategy: str
+    ) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         env = dict(os.environ)
         env.update(
             HETERO_GATEWAY_PODS_FILE=str(pods_file),
+            HETERO_GATEWAY_PROFILE_DIR=str(profile_dir),
             HETERO_GATEWAY_GRPC_PORT=str(self.grpc_port),
             HETERO_GATEWAY_HTTP_PORT=str(self.http_port),
             AIBRIX_POD_METRIC_REFRESH_INTERVAL_MS="30000",
@@ -152,9 +185,10 @@ async def measure(
 ) -> tuple[float, float]:
     """(plugin CPU ms per routed request, routed requests per second of wall time)."""
     with tempfile.TemporaryDirectory() as tmp:
+        gpus = write_profiles(Path(tmp) / "profiles")
         pods_file = Path(tmp) / "pods.yaml"
-        pods_file.write_text(yaml.safe_dump(pods_document(n)), encoding="utf-8")
-        plugin = Plugin(command, pods_file, strategy)
+        pods_file.write_text(yaml.safe_dump(pods_document(n, gpus)), encoding="utf-8")
+        plugin = Plugin(command, pods_file, Path(tmp) / "profiles", strategy)
         try:
             await plugin.ready()
             await drive(plugin.grpc_port, min(300, requests), concurrency)  # warm up
@@ -202,7 +236,7 @@ async def main() -> None:
                     ms, rate = await measure(command, n, strategy, args.requests, args.concurrency)
                     samples.setdefault((name, n, strategy), []).append((ms, rate))
                     print(
-                        f"  round {round_ + 1} {name:6s} {n:5d} pods {strategy:14s} "
+                        f"  round {round_ + 1} {name:6s} {n:5d} pods {strategy:15s} "
                         f"{ms:.3f} ms CPU/request, {rate:.0f} requests/s",
                         file=sys.stderr,
                         flush=True,
@@ -242,7 +276,8 @@ async def main() -> None:
         f"{args.concurrency} streams at a time, {args.requests:,} measured requests per row "
         "after a warm-up; median of the rounds. No Envoy and no engines: the pods are "
         "unreachable loopback addresses scraped every 30 s, so every pod is cold to the "
-        "strategies.\n\n"
+        "strategies. Half the pods are A100 and half A40, with AIBrix's sample GPU profiles "
+        "in the plugin's profile directory, so the SLO strategies route by them.\n\n"
         f"{table}\n"
     )
     print(f"wrote {write_section(DOC, 'routing-cpu', text).name}", file=sys.stderr)

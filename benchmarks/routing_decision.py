@@ -9,6 +9,10 @@ strategies. Each decision is timed phase by phase with `perf_counter_ns`:
 - pick: the strategy's `admit`;
 - lease: `PodPool.acquire` (the in-flight slot), and its release at the response's end.
 
+The pods are half A100 and half A40, with AIBrix's own GPU profiles for the two (from the shared
+data, `$HETERO_GATEWAY_SHARED_DATA`, default `../shared/data`), so the SLO strategies route as
+they would on a profiled mixed fleet.
+
     python benchmarks/routing_decision.py            # about a minute on 2 cores
 
 Prints p50 and p99 per phase in microseconds and writes the table into docs/plugin-cost.md
@@ -19,6 +23,7 @@ from 16 to 1,000 pods within one run.
 from __future__ import annotations
 
 import gc
+import os
 import random
 import sys
 import time
@@ -28,6 +33,7 @@ import orjson
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
+from plugin.core.profile import GpuProfile, ProfileBook, parse_profile, profile_key
 from plugin.core.request import parse_request
 from plugin.core.router import Decision, Router
 from plugin.core.strategies import Route, build_strategies
@@ -38,7 +44,13 @@ from plugin_tools.stats import percentile
 MODEL = "llama-3-8b"
 POOL_SIZES = (16, 256, 1000)
 DECISIONS = {16: 20_000, 256: 5_000, 1000: 2_000}
-DOC = Path(__file__).resolve().parent.parent / "docs" / "plugin-cost.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "plugin-cost.md"
+# AIBrix's sample profiles (llama2-7b on its simulator): A100 with e2e and SLOs, A40 older format.
+GPU_PROFILES = {
+    "a100": "aibrix-profiles/simulator-llama2-7b-a100.json",
+    "a40": "aibrix-profiles/simulator-llama2-7b-a40.json",
+}
 PHASES = ("parse", "candidates", "pick", "lease", "release", "total")
 
 BODY = orjson.dumps(
@@ -55,12 +67,40 @@ BODY = orjson.dumps(
 )
 
 
-def build_pool(n: int, rng: random.Random) -> PodPool:
-    """N ready pods with learned capacity, fresh metrics and some requests in flight."""
+def gpu_profiles() -> dict[str, GpuProfile]:
+    """The GPU profiles by deployment, read from the shared data (one line if it is absent)."""
+    data = Path(os.environ.get("HETERO_GATEWAY_SHARED_DATA") or ROOT.parent / "shared" / "data")
+    try:
+        return {
+            gpu: parse_profile(orjson.loads((data / path).read_bytes()))
+            for gpu, path in GPU_PROFILES.items()
+        }
+    except OSError as exc:
+        raise SystemExit(
+            f"AIBrix's GPU profiles not found under {data} ({exc.strerror}): set "
+            "HETERO_GATEWAY_SHARED_DATA to the shared data folder"
+        ) from exc
+
+
+def build_pool(n: int, rng: random.Random, profiles: dict[str, GpuProfile]) -> PodPool:
+    """N ready pods of two GPU types with learned capacity, fresh metrics, GPU profiles and
+    some requests in flight, each taking a share of its pod as SLO routing accounts it."""
     estimator = CapacityEstimator(window_s=60.0, tau_s=10.0)
     pool = PodPool(estimator, metrics_max_age_s=3.0)
+    book = ProfileBook()
+    book.replace({profile_key(MODEL, gpu): profile for gpu, profile in profiles.items()})
+    pool.use_profiles(book)
+    gpus = sorted(profiles)
     pods = [
-        Pod(f"p{i}", "bench", MODEL, f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", 8000, 8000)
+        Pod(
+            f"p{i}",
+            "bench",
+            MODEL,
+            f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
+            8000,
+            8000,
+            deployment=gpus[i % len(gpus)],
+        )
         for i in range(n)
     ]
     pool.set_pods(pods)
@@ -74,19 +114,16 @@ def build_pool(n: int, rng: random.Random) -> PodPool:
             pod.key, EngineMetrics(float(running), float(rng.randint(0, 3)), rng.random()), 60.0
         )
         for _ in range(rng.randint(0, 20)):
-            pool.acquire(pod)  # held for the whole run: the pool is busy, as in production
+            pool.acquire(pod, 0.03)  # held for the whole run: the pool is busy, as in production
     return pool
 
 
-def measure(n: int) -> dict[str, dict[str, tuple[float, float]]]:
+def measure(n: int, profiles: dict[str, GpuProfile]) -> dict[str, dict[str, tuple[float, float]]]:
     now = 60.5
     out: dict[str, dict[str, tuple[float, float]]] = {}
-    # The SLO strategies need GPU profiles this pool does not have (the router would hand the
-    # request to the default strategy); their cost is another benchmark's subject.
-    routing = {n: s for n, s in build_strategies().items() if not getattr(s, "needs_profiles", 0)}
-    for name, strategy in sorted(routing.items()):
+    for name, strategy in sorted(build_strategies().items()):
         # Each strategy on a pool of its own, as a gateway runs one: the same state every time.
-        pool = build_pool(n, random.Random(n))
+        pool = build_pool(n, random.Random(n), profiles)
         pick_rng = random.Random(1)
         router = Router(pool, build_strategies(), name, random.Random(1), lambda: now)
         samples: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -101,7 +138,7 @@ def measure(n: int) -> dict[str, dict[str, tuple[float, float]]]:
             t3 = time.perf_counter_ns()
             assert isinstance(answer, Route)
             t3b = time.perf_counter_ns()
-            lease = pool.acquire(answer.candidate.pod)
+            lease = pool.acquire(answer.candidate.pod, answer.load)
             t4 = time.perf_counter_ns()
             lease.release(64, 200, now)
             t5 = time.perf_counter_ns()
@@ -116,7 +153,7 @@ def measure(n: int) -> dict[str, dict[str, tuple[float, float]]]:
             p: (percentile(v, 50) or 0.0, percentile(v, 99) or 0.0) for p, v in samples.items()
         }
         print(
-            f"  {n:5d} pods  {name:14s} total p50 {out[name]['total'][0]:8.1f} us"
+            f"  {n:5d} pods  {name:22s} total p50 {out[name]['total'][0]:8.1f} us"
             f"  p99 {out[name]['total'][1]:8.1f} us",
             file=sys.stderr,
             flush=True,
@@ -147,7 +184,8 @@ def growth(results: dict[int, dict[str, dict[str, tuple[float, float]]]]) -> str
 
 
 def main() -> None:
-    results = {n: measure(n) for n in POOL_SIZES}
+    profiles = gpu_profiles()
+    results = {n: measure(n, profiles) for n in POOL_SIZES}
     summary = growth(results)
     text = (
         "## Routing decision time by pool size\n\n"
@@ -155,7 +193,9 @@ def main() -> None:
         "learned capacities, fresh engine metrics and 0-20 requests in flight each, in process "
         "(no gRPC, no Envoy), microseconds per decision, p50 / p99 of "
         f"{DECISIONS[16]:,} / {DECISIONS[256]:,} / {DECISIONS[1000]:,} decisions at "
-        f"{' / '.join(map(str, POOL_SIZES))} pods. Phases: `parse` (the ~2 KB chat body), "
+        f"{' / '.join(map(str, POOL_SIZES))} pods, half A100 and half A40 with AIBrix's sample GPU "
+        "profiles (llama2-7b), each request taking its profile's share of the pod it lands on "
+        "(0.03 per request already in flight). Phases: `parse` (the ~2 KB chat body), "
         "`candidates` (`PodPool.candidates`), `pick` (the strategy), `lease` (take the in-flight "
         "slot) and `release` (give it back at the response's end, crediting tokens); `total` is "
         "all five.\n\n"
@@ -164,7 +204,9 @@ def main() -> None:
         "arrive (`plugin/core/view.py`), so `candidates` hands over that view instead of "
         "building one; least-request and load-balance pick from sorted indexes the view "
         "maintains (O(log n)), which moves their cost into `lease` and `release` (each updates "
-        "the indexes in use); random, round-robin and power-of-two read O(1) from the view. "
+        "the indexes in use); the SLO strategies read a per-deployment load order the view "
+        "maintains (O(deployments x log n): a request fits every pod of a deployment alike); "
+        "random, round-robin and power-of-two read O(1) from the view. "
         "Each strategy runs on a pool of its own, as a gateway that uses it would.\n"
     )
     print(table(results))

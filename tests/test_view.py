@@ -9,16 +9,26 @@ from that plain list (the reference pass), with the same seeded random draws.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plugin.core import view as view_module
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import EjectionPolicy, Lease, PodPool
-from plugin.core.strategies import LoadBalanceSettings, Route, build_strategies
-from plugin.core.types import Candidate, EngineMetrics, Pod, RequestInfo
+from plugin.core.profile import GpuProfile, ProfileBook, profile_key
+from plugin.core.strategies import (
+    LoadBalanceSettings,
+    Reject,
+    Route,
+    SloSettings,
+    Wait,
+    build_strategies,
+)
+from plugin.core.types import Candidate, EngineMetrics, Pod, RequestInfo, SloTarget
 from plugin.core.view import CandidateView
 
 pytestmark = pytest.mark.unit
@@ -167,3 +177,85 @@ def test_when_every_replica_with_room_is_below_the_kv_guardrail_a_full_one_takes
         assert isinstance(answer, Route) and answer.candidate.pod is full
     for lease in leases:
         lease.release()
+
+
+def slo_profile(gpu: str, rng: random.Random) -> GpuProfile:
+    """A 2 x 2 grid (outputs 16/256, inputs 128/2048) with random rates, some cells at 0."""
+    tputs = tuple(tuple(rng.choice((0.0, 0.5, 2.0, 8.0)) for _ in range(2)) for _ in range(2))
+    e2e = tuple(tuple(rng.choice((0.4, 1.0, 3.0)) for _ in range(2)) for _ in range(2))
+    ttft = tuple(tuple(v / 10 for v in row) for row in e2e)
+    slos = rng.choice(({"e2e": 2.0}, {"ttft": 0.2, "e2e": 5.0}, {"tpat": 0.01}, {}))
+    return GpuProfile(gpu, 1.0, (16, 256), (128, 2048), tputs, 0.0, e2e, ttft, 99, slos)
+
+
+def slo_request(rng: random.Random, now: float) -> RequestInfo:
+    slo = rng.choice((None, None, SloTarget(ttft_s=0.5), SloTarget(tpot_s=0.01)))
+    return RequestInfo(
+        MODEL,
+        prompt_tokens=rng.choice((100, 130, 2000, 100_000)),
+        max_tokens=rng.choice((None, 16, 300)),
+        slo=slo,
+        arrived_at=now - rng.choice((0.0, 0.0, 0.3, 1.5, 40.0)),
+        predicted_output_tokens=rng.choice((None, 16, 200)),
+    )
+
+
+def outcome(answer: object) -> tuple[object, ...]:
+    if isinstance(answer, Route):
+        return ("route", answer.candidate.pod.key, answer.load, answer.expected_e2e_s)
+    if isinstance(answer, Reject):
+        return ("reject", type(answer.error).__name__, str(answer.error))
+    assert isinstance(answer, Wait)
+    return ("wait", answer.deadline, answer.priority, str(answer.on_timeout))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 40), list_ties=st.booleans())
+def test_slo_strategies_route_from_the_grouped_index_as_the_plain_pass_does(
+    seed: int, n: int, list_ties: bool
+) -> None:
+    """Pods of up to three deployments (one without a profile, some unlabelled), SLO loads from
+    a few values so that ties within and across deployments are common, leases taken and
+    released in random order: every SLO strategy answers the view exactly as it answers the
+    plain list of the same candidates, random tie-breaks included (both ways of drawing among
+    ties across deployments: listing them, and bisecting on the order)."""
+    few_tied = view_module._FEW_TIED
+    view_module._FEW_TIED = few_tied if list_ties else 0
+    try:
+        slo_event_sequence(random.Random(seed), n)
+    finally:
+        view_module._FEW_TIED = few_tied
+
+
+def slo_event_sequence(rng: random.Random, n: int) -> None:
+    book = ProfileBook()
+    book.replace({profile_key(MODEL, d): slo_profile(d, rng) for d in ("a100", "l20")})
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.use_profiles(book)
+    deployments = ("a100", "l20", "v100", None)  # v100 has no profile
+    pods = [
+        Pod(f"p{i}", "ns", MODEL, "10.0.0.1", 8000 + i, 8000, deployment=rng.choice(deployments))
+        for i in range(n)
+    ]
+    pool.set_pods(pods)
+    strategies = build_strategies(SloSettings(max_wait_s=rng.choice((0.5, 30.0))))
+    names = sorted(name for name in strategies if name.startswith("slo"))
+    leases: list[Lease] = []
+    now = 10.0
+    for _ in range(80):
+        if rng.random() < 0.55:
+            leases.append(pool.acquire(rng.choice(pods), rng.choice((0.0, 0.25, 0.5, 1.0, 1.5))))
+        elif leases:
+            leases.pop(rng.randrange(len(leases))).release(rng.choice((0, 40)), 200, now)
+        now += rng.choice((0.0, 0.5))
+        view = pool.candidates(MODEL, now)
+        plain = [dataclasses.replace(c) for c in view]  # a list: the strategies' plain pass
+        request = slo_request(rng, now)
+        draw = rng.randrange(1 << 30)
+        for name in names:
+            fast = strategies[name].admit(view, request, random.Random(draw), now)
+            slow = strategies[name].admit(plain, request, random.Random(draw), now)
+            assert outcome(fast) == outcome(slow), name
+    for lease in leases:
+        lease.release()
+    assert all(c.load == 0.0 for c in pool.candidates(MODEL, now))

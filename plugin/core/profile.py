@@ -13,6 +13,7 @@ Pure data and arithmetic: `plugin_tools.profile` builds profiles, the gateway lo
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,8 +89,12 @@ def nearest_tick(ticks: Sequence[int], tokens: float) -> int:
     return min(range(len(ticks)), key=lambda k: (abs(math.log2(ticks[k]) - x), -k))
 
 
-def _nearest(ticks: Sequence[int], tokens: int) -> int | None:
-    """Index of the tick nearest in log2, or None more than half a doubling outside the grid."""
+@functools.lru_cache(maxsize=4096)
+def _nearest(ticks: tuple[int, ...], tokens: int) -> int | None:
+    """Index of the tick nearest in log2, or None more than half a doubling outside the grid.
+
+    Cached: SLO routing asks it for every deployment on every request, and a fleet sees few
+    distinct (grid, size) pairs."""
     k = nearest_tick(ticks, tokens)
     x = math.log2(max(tokens, 1))
     return k if abs(math.log2(ticks[k]) - x) <= 0.5 or _inside(ticks, x) else None

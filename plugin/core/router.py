@@ -180,6 +180,15 @@ def _nothing() -> None:
     return None
 
 
+def _any_profiled(strategy: Strategy, candidates: Sequence[Candidate]) -> bool:
+    """Whether some candidate has a GPU profile: the strategy's own `profiled` where it has
+    one (the SLO strategies answer from the view's index), else a pass."""
+    profiled: Callable[[Sequence[Candidate]], bool] | None = getattr(strategy, "profiled", None)
+    if profiled is not None:
+        return profiled(candidates)
+    return any(c.profile is not None for c in candidates)
+
+
 class Router:
     """Chooses a pod for a request with the named (or default) strategy."""
 
@@ -272,13 +281,14 @@ class Router:
         """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error.
 
         A strategy that `needs_profiles` (SLO routing) hands a model none of whose pods has a
-        GPU profile to the default strategy (or, if that needs them too, to least-request).
+        GPU profile (its `profiled` says so) to the default strategy (or, if that needs them
+        too, to least-request).
         """
         now = self._clock()
         candidates = self._candidates(request, now)
         asked = strategy  # the name the client sees echoed, whoever routes
         if getattr(strategy, "needs_profiles", False):
-            if not any(c.profile is not None for c in candidates):
+            if not _any_profiled(strategy, candidates):
                 strategy = self._without_profiles()
             else:
                 predicted = self.history.predict(request.model, request.prompt_tokens, now)

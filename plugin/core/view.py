@@ -10,6 +10,12 @@ on its key (`view.sorted_by(spec)`): a sorted list the view updates with each ca
 the pick costs O(log n) instead of a pass over the pool. The index answers exactly what the
 straightforward pass over the same candidates answers, random tie-break included (it draws
 from the same `rng` the same way); `tests/test_view.py` holds both to that on random pools.
+
+A strategy whose rule first splits the pool (SLO routing: by deployment, whose GPU profile
+decides what a request costs there) asks for a `GroupedIndex` (`view.grouped_by(spec)`): one
+sorted list per group, kept current the same way, so it reads a few groups' ends instead of
+every candidate. `tied_run`/`choose_tied` then draw among candidates tied across groups exactly
+as `rng.choice` over them in discovery order would.
 `docs/architecture.md` ("Routing at scale") says which strategy uses what.
 """
 
@@ -17,14 +23,23 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any, Protocol, overload
 
 from sortedcontainers import SortedList
 
 from plugin.core.types import Candidate
 
-__all__ = ["CandidateView", "IndexSpec", "OrderedIndex"]
+__all__ = [
+    "CandidateView",
+    "GroupSpec",
+    "GroupedIndex",
+    "IndexSpec",
+    "OrderedIndex",
+    "Run",
+    "choose_tied",
+    "tied_run",
+]
 
 
 class IndexSpec(Protocol):
@@ -63,6 +78,9 @@ class OrderedIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def rebuilt(self, members: Sequence[int]) -> OrderedIndex:
+        return OrderedIndex(self.spec, self._slots, members)
+
     def update(self, order: int, routable: bool) -> None:
         """The candidate at `order` changed (or joined or left the routable set)."""
         old = self._entries.pop(order, None)
@@ -88,6 +106,117 @@ class OrderedIndex:
         return self._slots[order]
 
 
+class GroupSpec(Protocol):
+    """How a grouped index splits and orders candidates (identity-hashed, made once, like
+    `IndexSpec`)."""
+
+    def group(self, candidate: Candidate) -> Hashable | None:
+        """The candidate's group; None: not in the index."""
+        ...
+
+    def key(self, candidate: Candidate) -> tuple[float, ...]:
+        """Order within the group; smaller first; never NaN."""
+        ...
+
+
+class GroupedIndex:
+    """The view's routable candidates by `spec.group`, each group sorted by (`spec.key`, order).
+
+    `groups` maps a group to its sorted entries (`(key, order)`, a `SortedList`); an emptied
+    group is dropped, so it lists exactly the groups that have a routable member.
+    """
+
+    __slots__ = ("_slots", "_where", "groups", "spec", "used")
+
+    def __init__(self, spec: GroupSpec, slots: Sequence[Candidate], members: Sequence[int]) -> None:
+        self.spec = spec
+        self._slots = slots
+        self._where: dict[int, tuple[Hashable, _Entry]] = {}
+        self.groups: dict[Hashable, Any] = {}
+        for order in members:
+            self._add(order)
+        self.used = True
+
+    def rebuilt(self, members: Sequence[int]) -> GroupedIndex:
+        return GroupedIndex(self.spec, self._slots, members)
+
+    def _add(self, order: int) -> None:
+        candidate = self._slots[order]
+        group = self.spec.group(candidate)
+        if group is None:
+            return
+        entry = (self.spec.key(candidate), order)
+        self._where[order] = (group, entry)
+        entries = self.groups.get(group)
+        if entries is None:
+            entries = self.groups[group] = SortedList()
+        entries.add(entry)
+
+    def update(self, order: int, routable: bool) -> None:
+        """The candidate at `order` changed (or joined or left the routable set)."""
+        old = self._where.pop(order, None)
+        if old is not None:
+            group, entry = old
+            entries = self.groups[group]
+            entries.remove(entry)
+            if not entries:
+                del self.groups[group]
+        if routable:
+            self._add(order)
+
+    def first(self, group: Hashable) -> Candidate:
+        """Some member of `group` (its first entry)."""
+        order: int = self.groups[group][0][1]
+        return self._slots[order]
+
+
+_FEW_TIED = 32
+
+# A run of tied entries in one group's sorted list: (entries, key, start, stop).
+Run = tuple[Any, tuple[float, ...], int, int]
+
+
+def tied_run(entries: Any, key: tuple[float, ...]) -> Run:
+    """The entries of a sorted list whose key equals `key` (a contiguous run, by order)."""
+    start = int(entries.bisect_left((key, -1)))
+    stop = int(entries.bisect_right((key, math.inf)))
+    return entries, key, start, stop
+
+
+def choose_tied(runs: Sequence[Run], slots: Sequence[Candidate], rng: random.Random) -> Candidate:
+    """One candidate of the runs (all tied), drawn as `rng.choice` over them in discovery order
+    draws it (no draw for one): the i-th smallest order across runs, by bisection on the order,
+    O(runs x log^2 n) however many are tied."""
+    total = sum(stop - start for _, _, start, stop in runs)
+    if total <= 0:
+        raise IndexError("no tied candidate")
+    i = 0 if total == 1 else rng.choice(range(total))
+    if len(runs) == 1:
+        entries, _, start, _ = runs[0]
+        order: int = entries[start + i][1]
+        return slots[order]
+    if total <= _FEW_TIED:  # cheaper to list them
+        orders: list[int] = sorted(
+            entries[k][1] for entries, _, start, stop in runs for k in range(start, stop)
+        )
+        return slots[orders[i]]
+
+    def at_most(x: int) -> int:  # tied entries with order <= x
+        return sum(
+            min(stop, int(entries.bisect_right((key, x)))) - start
+            for entries, key, start, stop in runs
+        )
+
+    lo, hi = 0, len(slots) - 1
+    while lo < hi:  # the smallest order x with at_most(x) > i
+        mid = (lo + hi) // 2
+        if at_most(mid) > i:
+            hi = mid
+        else:
+            lo = mid + 1
+    return slots[lo]
+
+
 class CandidateView(Sequence[Candidate]):
     """One model's routable candidates in discovery order, kept current by the pool.
 
@@ -109,7 +238,7 @@ class CandidateView(Sequence[Candidate]):
         self.slots = slots  # every pod of the model, in discovery order
         self._members: list[int] = []  # orders of the routable ones
         self._routable: list[bool] = [False] * len(slots)
-        self._indexes: dict[IndexSpec, OrderedIndex] = {}
+        self._indexes: dict[IndexSpec | GroupSpec, OrderedIndex | GroupedIndex] = {}
         self.known_capacities = 0  # routable candidates with a usable capacity estimate
 
     # Sequence ----------------------------------------------------------------------------------
@@ -142,6 +271,17 @@ class CandidateView(Sequence[Candidate]):
             found = self._indexes[spec] = OrderedIndex(spec, self.slots, self._members)
         else:
             found.used = True
+        assert isinstance(found, OrderedIndex)
+        return found
+
+    def grouped_by(self, spec: GroupSpec) -> GroupedIndex:
+        """The grouped index for `spec`, built on first use and kept current from then on."""
+        found = self._indexes.get(spec)
+        if found is None:
+            found = self._indexes[spec] = GroupedIndex(spec, self.slots, self._members)
+        else:
+            found.used = True
+        assert isinstance(found, GroupedIndex)
         return found
 
     # maintenance (the pool calls these) --------------------------------------------------------
@@ -162,7 +302,7 @@ class CandidateView(Sequence[Candidate]):
             1 for o in self._members if usable_capacity(self.slots[o].capacity)
         )
         self._indexes = {
-            spec: OrderedIndex(spec, self.slots, self._members)
+            spec: index.rebuilt(self._members)
             for spec, index in self._indexes.items()
             if index.used
         }

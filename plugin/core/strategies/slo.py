@@ -39,8 +39,9 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from plugin.core.profile import GpuProfile
 from plugin.core.strategies.base import (
@@ -52,8 +53,9 @@ from plugin.core.strategies.base import (
     register_strategy,
     require_candidates,
 )
-from plugin.core.strategies.simple import random_min
+from plugin.core.strategies.simple import LeastRequest, random_min
 from plugin.core.types import Candidate, RequestInfo, SloTarget
+from plugin.core.view import CandidateView, Run, choose_tied, tied_run
 from plugin.errors import SloUnmeetable
 
 __all__ = [
@@ -215,15 +217,82 @@ class SloStrategy:
             return request.max_tokens
         return min(p.out_ticks[0] for p in profiles)
 
+    def profiled(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether some candidate has a GPU profile (else the router routes by its default)."""
+        if isinstance(candidates, CandidateView):
+            return bool(candidates.grouped_by(_BY_DEPLOYMENT).groups)
+        return any(c.profile is not None for c in candidates)
+
     def admit(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
     ) -> Admission:
         require_candidates(candidates)
+        if isinstance(candidates, CandidateView):
+            return self._admit_grouped(candidates, request, rng, now)
+        # The rule, as a pass over the pool; the view's grouped index reproduces it exactly.
         profiled = [(c, c.profile) for c in candidates if c.profile is not None]
         if not profiled:  # the router routes such a model by its default strategy
-            return Route(random_min(candidates, [(float(c.running),) for c in candidates], rng))
+            return Route(_LEAST_REQUEST.pick(candidates, request, rng))
         output = self._output_tokens(request, [p for _, p in profiled])
         fits = [f for c, p in profiled if (f := fit(c, p, request, output)) is not None]
+        choice = self._decide(fits, request, output, now, lambda f: f.candidate.load)
+        if not isinstance(choice, _Choice):
+            return choice
+        sign = -1.0 if choice.fullest else 1.0
+        keys = [(sign * f.candidate.load,) for f in choice.fits]
+        chosen = random_min([f.candidate for f in choice.fits], keys, rng)
+        best = next(f for f in choice.fits if f.candidate is chosen)
+        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
+
+    def _admit_grouped(
+        self, view: CandidateView, request: RequestInfo, rng: random.Random, now: float
+    ) -> Admission:
+        """The same rule from the view's per-deployment load order: every pod of a deployment
+        shares its profile, so a request fits the same everywhere in it, and the least (or the
+        fullest with room) of a deployment is one end of its sorted loads. O(deployments x
+        log pods) instead of a pass over the pool."""
+        groups = view.grouped_by(_BY_DEPLOYMENT).groups
+        if not groups:
+            return Route(_LEAST_REQUEST.pick(view, request, rng))
+        firsts = {g: view.slots[entries[0][1]] for g, entries in groups.items()}
+        profiles = [c.profile for c in firsts.values() if c.profile is not None]
+        output = self._output_tokens(request, profiles)
+        fits = [
+            f
+            for c in firsts.values()
+            if c.profile is not None and (f := fit(c, c.profile, request, output)) is not None
+        ]
+        least = {g: entries[0][0][0] for g, entries in groups.items()}
+        choice = self._decide(
+            fits, request, output, now, lambda f: least[f.candidate.pod.deployment]
+        )
+        if not isinstance(choice, _Choice):
+            return choice
+        runs: list[tuple[Run, SloFit]] = []
+        for f in choice.fits:
+            entries = groups[f.candidate.pod.deployment]
+            if choice.fullest:  # the fullest with room: room is a prefix of the load order
+                key = entries[_with_room(entries, f.consumption) - 1][0]
+            else:
+                key = entries[0][0]
+            runs.append((tied_run(entries, key), f))
+        pick = max if choice.fullest else min
+        best_key = pick(run[1] for run, _ in runs)
+        tied = [(run, f) for run, f in runs if run[1] == best_key]
+        chosen = choose_tied([run for run, _ in tied], view.slots, rng)
+        best = next(f for _, f in tied if f.candidate.pod.deployment == chosen.pod.deployment)
+        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
+
+    def _decide(
+        self,
+        fits: Sequence[SloFit],
+        request: RequestInfo,
+        output: int,
+        now: float,
+        least_load: Callable[[SloFit], float],
+    ) -> Reject | Wait | _Choice:
+        """Reject, hold, or the fits to route among (`least_load`: the least loaded pod a fit
+        stands for, which has room if any of them has)."""
         # A pod serves the request within its SLO if its GPU type meets the profile's SLO at
         # this size (tputs > 0) and the time the request has waited has not used up its slack
         # there (a woken request must not go to a slower GPU type it can no longer make it on).
@@ -244,15 +313,11 @@ class SloStrategy:
                     f"{waited:.2f} s"
                 )
             )
-        # An idle pod always has room: a profile whose best passing rate was low gives a request
-        # a consumption above 1 (tputs x e2e < 1), which must not keep it off an empty pod.
-        room = [
-            f for f in servable if f.candidate.load + f.consumption <= ROOM or f.candidate.load <= 0
-        ]
+        room = [f for f in servable if _has_room(least_load(f), f.consumption)]
         if self.mode == "least" or (self.mode == "pack" and not room):
-            return self._route(servable, rng, fullest=False)
+            return _Choice(servable, fullest=False)
         if room:
-            return self._route(room, rng, fullest=self.mode == "pack")
+            return _Choice(room, fullest=self.mode == "pack")
         # pulling, and no pod has room: wait while the SLO can still be met.
         slack = max(f.slack_s for f in servable)
         budget = min(slack, self.settings.max_wait_s)
@@ -272,12 +337,48 @@ class SloStrategy:
             priority=waited - slack,
         )
 
-    def _route(self, fits: Sequence[SloFit], rng: random.Random, fullest: bool) -> Route:
-        sign = -1.0 if fullest else 1.0
-        keys = [(sign * f.candidate.load,) for f in fits]
-        chosen = random_min([f.candidate for f in fits], keys, rng)
-        best = next(f for f in fits if f.candidate is chosen)
-        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """Route among these fits' pods: the least loaded, or the fullest (pods with room only)."""
+
+    fits: Sequence[SloFit]
+    fullest: bool
+
+
+def _has_room(load: float, consumption: float) -> bool:
+    """Whether a pod at `load` has room for a request taking `consumption` of it. An idle pod
+    always has: a profile whose best passing rate was low gives a request a consumption above
+    1 (tputs x e2e < 1), which must not keep it off an empty pod."""
+    return load + consumption <= ROOM or load <= 0
+
+
+def _with_room(entries: Any, consumption: float) -> int:
+    """How many of a deployment's load-ordered entries have room (a prefix: room only shrinks
+    as load grows)."""
+    lo, hi = 0, len(entries)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _has_room(entries[mid][0][0], consumption):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _ByDeployment:
+    """Grouped-index spec: profiled candidates by deployment (one profile each), by load."""
+
+    def group(self, candidate: Candidate) -> Hashable | None:
+        return candidate.pod.deployment if candidate.profile is not None else None
+
+    def key(self, candidate: Candidate) -> tuple[float, ...]:
+        return (candidate.load,)
+
+
+_BY_DEPLOYMENT = _ByDeployment()
+_LEAST_REQUEST = LeastRequest()
 
 
 def _family(name: str, mode: str) -> None:
