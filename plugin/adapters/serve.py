@@ -20,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from plugin.adapters.discovery import PodsCallback, PodSource, StaticFileSource
 from plugin.adapters.extproc import ExtProcServicer
 from plugin.adapters.http import build_app
+from plugin.adapters.native_memory import MemoryTrimmer
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import Settings
@@ -178,6 +179,8 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
+        # Free native memory back to the OS after bursts of large bodies (glibc only).
+        self.trimmer = MemoryTrimmer.for_this_process()
 
     def _on_pods(self, pods: list[Pod]) -> None:
         first = not self.pool.loaded
@@ -203,6 +206,9 @@ class Gateway:
                 # A second gateway on a busy port must fail, not silently share the streams.
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_concurrent_streams", 100000),
+                # gRPC grows a connection's read buffer to the largest message it read (up to
+                # 4 MiB) and keeps it; a 4 MB body then pins 4 MB per connection for good.
+                ("grpc.experimental.tcp_max_read_chunk_size", 256 * 1024),
             ]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
@@ -240,6 +246,8 @@ class Gateway:
 
         self._background(self.source.run(self._on_pods), "pod discovery")
         self._background(self.scraper.run(), "metrics scraping")
+        if self.trimmer is not None:
+            self._background(self.trimmer.run(), "native memory trimming")
         if self.shared is not None:
             self._background(self.shared.run(), "shared state")
         if self.profile_loader is not None:
