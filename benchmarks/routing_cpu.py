@@ -45,7 +45,7 @@ from routing_decision import (  # the same ~2 KB chat body and GPU profiles as i
 )
 
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL as DEPLOYMENT_LABEL
-from plugin_tools.demo.fleet import free_port, process_cpu_seconds
+from plugin_tools.demo.fleet import PURE_STRATEGIES, free_port, process_cpu_seconds
 from plugin_tools.docsection import write_section
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "plugin-cost.md"
@@ -114,7 +114,7 @@ class Plugin:
         self, command: list[str], pods_file: Path, profile_dir: Path, strategy: str
     ) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
-        env = dict(os.environ)
+        env = {**PURE_STRATEGIES, **os.environ}  # each strategy as named, not auto-blended
         env.update(
             HETERO_GATEWAY_PODS_FILE=str(pods_file),
             HETERO_GATEWAY_PROFILE_DIR=str(profile_dir),

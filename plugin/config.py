@@ -25,7 +25,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings, SloSettings, strategy_names
-from plugin.errors import ConfigError
+from plugin.core.strategies.blend import MAX_WEIGHT, AutoBlend, parse_blend
+from plugin.errors import ConfigError, RequestError
 
 V = TypeVar("V")
 V_co = TypeVar("V_co", covariant=True)
@@ -189,17 +190,25 @@ class Choice(Kind[str]):
 
 
 class StrategyName(Kind[str]):
-    """A registered strategy's name, checked when read (so a strategy registered later counts)."""
+    """A registered strategy's name or a weighted list of them (`prefix-cache:5,load-balance`),
+    checked when read (so a strategy registered later counts)."""
 
     @property
     def type_text(self) -> str:
-        return "strategy name"
+        return "strategy name or `name:weight,...`"
 
     def parse(self, text: str) -> str:
-        if text not in strategy_names():
-            known = ", ".join(sorted(strategy_names()))
-            raise Invalid(f" is not a known strategy (known: {known})")
-        return text
+        try:
+            members = parse_blend(text)
+        except RequestError as exc:
+            raise Invalid(f" is not a strategy list ({exc})") from None
+        for name, _ in members:
+            if name not in strategy_names():
+                known = ", ".join(sorted(strategy_names()))
+                raise Invalid(f" names an unknown strategy {name} (known: {known})")
+        if not any(weight > 0 for _, weight in members):
+            raise Invalid(" gives every strategy weight 0")
+        return text.strip()
 
 
 @dataclass(frozen=True)
@@ -458,7 +467,35 @@ ROUTING_ALGORITHM: Var[str] = Var(
     "ROUTING_ALGORITHM",
     StrategyName(),
     "load-balance",
-    "Strategy used when a request has no `routing-strategy` header.",
+    "Strategy used when a request has no `routing-strategy` header: a name or a weighted list"
+    " (`prefix-cache:5,load-balance:4`), auto-blended like the header.",
+)
+_AUTO = AutoBlend()
+AUTO_BLEND_LB_WEIGHT: Var[int] = Var(
+    "AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT",
+    Int(le=MAX_WEIGHT),
+    _AUTO.load_balance_weight,
+    "Auto-blend: the load-balance weight added behind a scoring strategy the request names"
+    " without load-balance; 0 or less turns auto-blend off (see Routing).",
+)
+AUTO_BLEND_LR_WEIGHT: Var[int] = Var(
+    "AIBRIX_ROUTING_AUTO_BLEND_LEAST_REQUEST_WEIGHT",
+    Int(ge=0, le=MAX_WEIGHT),
+    _AUTO.least_request_weight,
+    "Auto-blend: least-request's weight when a bare `least-request` is blended with"
+    " `load-balance:1`.",
+)
+AUTO_BLEND_PC_WEIGHT: Var[int] = Var(
+    "AIBRIX_ROUTING_AUTO_BLEND_PREFIX_CACHE_WEIGHT",
+    Int(ge=0, le=MAX_WEIGHT),
+    _AUTO.prefix_cache_weight,
+    "Auto-blend: prefix-cache's weight when a bare `prefix-cache` is blended.",
+)
+AUTO_BLEND_PC_LB_WEIGHT: Var[int] = Var(
+    "AIBRIX_ROUTING_AUTO_BLEND_PREFIX_CACHE_LOAD_BALANCE_WEIGHT",
+    Int(ge=0, le=MAX_WEIGHT),
+    _AUTO.prefix_cache_load_balance_weight,
+    "Auto-blend: load-balance's weight behind a bare `prefix-cache`.",
 )
 
 # A strategy's own settings: declare its variables with `strategy="<its name>"` and defaults
@@ -744,6 +781,10 @@ OPTIMIZER_MAX_REPLICAS: Var[tuple[tuple[str, int], ...]] = Var(
 # Every variable, in the README's order.
 ENV_VARS: tuple[Var[Any], ...] = (
     ROUTING_ALGORITHM,
+    AUTO_BLEND_LB_WEIGHT,
+    AUTO_BLEND_LR_WEIGHT,
+    AUTO_BLEND_PC_WEIGHT,
+    AUTO_BLEND_PC_LB_WEIGHT,
     LB_QUEUED_WEIGHT,
     LB_KV_PRESSURE_ALPHA,
     LB_KV_CRITICAL_FREE,
@@ -819,6 +860,7 @@ class Settings:
     """Every setting, typed; the defaults are the declarations' (`load_settings({})` equals it)."""
 
     default_strategy: str = ROUTING_ALGORITHM.default
+    auto_blend: AutoBlend = field(default_factory=AutoBlend)
     load_balance: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
     slo: SloSettings = field(default_factory=SloSettings)
     max_waiting: int = MAX_WAITING.default
@@ -938,6 +980,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     return Settings(
         default_strategy=ROUTING_ALGORITHM.read(env),
+        auto_blend=AutoBlend(
+            load_balance_weight=AUTO_BLEND_LB_WEIGHT.read(env),
+            least_request_weight=AUTO_BLEND_LR_WEIGHT.read(env),
+            prefix_cache_weight=AUTO_BLEND_PC_WEIGHT.read(env),
+            prefix_cache_load_balance_weight=AUTO_BLEND_PC_LB_WEIGHT.read(env),
+        ),
         load_balance=_load_balance_settings(env),
         metric_refresh_interval_s=METRIC_REFRESH_MS.read(env) / 1000.0,
         max_message_bytes=max_message_bytes(env),

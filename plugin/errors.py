@@ -136,8 +136,9 @@ class UnknownStrategy(RequestError):
     status = 400
     header = ("x-error-routing", "true")
 
-    def __init__(self, strategy: str) -> None:
-        super().__init__(f"incorrect routing strategy {echo(strategy)}")
+    def __init__(self, strategy: str, why: str = "") -> None:
+        reason = f": {why}" if why else ""
+        super().__init__(f"incorrect routing strategy {echo(strategy)}{reason}")
 
 
 class RoutingFailed(RequestError):

@@ -254,7 +254,20 @@ PLACEHOLDERS = {"(none)", "(all)", "(hostname)"}  # defaults shown as words, not
 # At least one refused value per variable (free text takes anything, so it has none): the
 # declared bounds, tested from outside the declarations.
 BAD_VALUES: dict[str, tuple[str, ...]] = {
-    "ROUTING_ALGORITHM": ("fastest", "Load-Balance"),
+    "ROUTING_ALGORITHM": (
+        "fastest",
+        "Load-Balance",
+        "load-balance:-1",
+        "load-balance:1.5",
+        "load-balance:0",
+        "least-request,least-request",
+        "least-request,,load-balance",
+        "load-balance:1000001",
+    ),
+    "AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": ("1.5", "1000001", "x"),
+    "AIBRIX_ROUTING_AUTO_BLEND_LEAST_REQUEST_WEIGHT": ("-1", "1000001"),
+    "AIBRIX_ROUTING_AUTO_BLEND_PREFIX_CACHE_WEIGHT": ("-1", "1.5"),
+    "AIBRIX_ROUTING_AUTO_BLEND_PREFIX_CACHE_LOAD_BALANCE_WEIGHT": ("-1", "x"),
     "AIBRIX_LOAD_BALANCE_QUEUED_WEIGHT": ("-0.001", "nan", "x"),
     "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA": ("-1", "inf"),
     "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE": ("-0.1", "1.01"),
@@ -379,7 +392,13 @@ def test_a_value_on_an_inclusive_bound_is_accepted(name: str, value: str, expect
         ("HETERO_GATEWAY_GRPC_PORT", "70000", "HETERO_GATEWAY_GRPC_PORT='70000' is not a port in"),
         ("HETERO_GATEWAY_LB_AVOID_FULL_BATCHES", "maybe", "is not a boolean (true/false)"),
         ("HETERO_GATEWAY_DISCOVERY", "consul", "is not one of file, kubernetes"),
-        ("ROUTING_ALGORITHM", "fastest", "is not a known strategy (known: least-request, "),
+        (
+            "ROUTING_ALGORITHM",
+            "fastest",
+            "names an unknown strategy fastest (known: least-request, ",
+        ),
+        ("ROUTING_ALGORITHM", "least-request:x", "weight of least-request must be an integer"),
+        ("ROUTING_ALGORITHM", "random:0", "gives every strategy weight 0"),
         ("REDIS_HOST", "redis:6379", "give the host alone; the port goes in REDIS_PORT"),
     ],
 )

@@ -136,6 +136,31 @@ async def test_load_balance_follows_capacity_and_counts_every_token(fleet: Local
         assert after_plugin["pods"][key]["capacity_tokens_per_s"] > 0
 
 
+async def test_a_blended_strategy_routes_and_echoes_what_the_client_sent(
+    fleet: LocalFleet,
+) -> None:
+    """Through a gateway with auto-blend on (AIBrix's default; the test fleet turns it off to
+    compare pure strategies): a weighted list and a bare name that auto-blend extends both
+    route, and each response names the strategy string the client sent."""
+    gateway = await fleet.start_extra_gateway(
+        "gw-blend", {"AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": "1"}
+    )
+    async with aiohttp.ClientSession() as session:
+        for strategy in ("least-request:2,load-balance:1", "least-request", "random:1,slo:0"):
+            for stream in (False, True):
+                async with session.post(
+                    f"{gateway.envoy_url}/v1/chat/completions",
+                    json=chat(3, stream=stream),
+                    headers={"routing-strategy": strategy},
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["routing-strategy"] == strategy
+                    assert resp.headers["x-mock-engine"] == resp.headers["target-pod"]
+                    await resp.read()
+        state = await debug_pods(session, gateway.plugin_url)
+        assert sum(p["routed_total"] for p in state["pods"].values()) == 6
+
+
 async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     async with (
         aiohttp.ClientSession() as session,
@@ -305,6 +330,14 @@ BAD_JSON = b"{not json"
             ("x-error-routing", "true"),
             None,
             id="unknown-strategy",
+        ),
+        pytest.param(
+            orjson.dumps(chat()),
+            {"routing-strategy": "least-request:2,load-balance:x"},
+            400,
+            ("x-error-routing", "true"),
+            None,
+            id="malformed-blend",
         ),
     ],
 )

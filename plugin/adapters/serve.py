@@ -132,6 +132,7 @@ class Gateway:
             random.Random(),
             time.monotonic,
             max_waiting=settings.max_waiting,
+            auto_blend=settings.auto_blend,
         )
         # Request traces for the GPU optimizer: counted on the request path, written to Redis
         # every 10 s by a background task (the flag without Redis stops start-up in config).

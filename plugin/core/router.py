@@ -21,9 +21,11 @@ import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from plugin.core.pool import Lease, PodPool
-from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait
+from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
+from plugin.core.strategies.base import Admission
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import (
     NoMatchingPod,
@@ -43,6 +45,8 @@ __all__ = [
     "WaitStats",
     "Waiter",
 ]
+
+_RESOLVED_CACHE = 1024  # routing-strategy strings kept resolved
 
 WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # Actual / predicted latency: 1.0 is a profile that predicts exactly; finer steps around it.
@@ -180,6 +184,32 @@ def _nothing() -> None:
     return None
 
 
+def _tell_routed(strategy: Strategy, candidate: Candidate, request: RequestInfo) -> None:
+    """A strategy that learns where requests went (prefix-cache, a blend with it) hears of it."""
+    learn = getattr(strategy, "routed", None)
+    if learn is not None:
+        learn(candidate, request)
+
+
+class Named:
+    """A strategy under the name the client asked for (`least-request:3` routes with
+    least-request; a bare `prefix-cache` with its auto-blend): the echo is the client's."""
+
+    __slots__ = ("inner", "name")
+
+    def __init__(self, inner: Strategy, name: str) -> None:
+        self.inner = inner
+        self.name = name
+
+    def admit(
+        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
+    ) -> Admission:
+        return self.inner.admit(candidates, request, rng, now)
+
+    def __getattr__(self, attr: str) -> Any:  # needs_profiles, profiled, routed, ...
+        return getattr(self.inner, attr)
+
+
 def _any_profiled(strategy: Strategy, candidates: Sequence[Candidate]) -> bool:
     """Whether some candidate has a GPU profile: the strategy's own `profiled` where it has
     one (the SLO strategies answer from the view's index), else a pass."""
@@ -193,8 +223,11 @@ class Router:
     """Chooses a pod for a request with the named (or default) strategy."""
 
     __slots__ = (
+        "_auto_blend",
         "_clock",
         "_default",
+        "_default_strategy",
+        "_resolved",
         "_rng",
         "_strategies",
         "_waiting",
@@ -215,12 +248,20 @@ class Router:
         clock: Callable[[], float],
         history: OutputHistory | None = None,
         max_waiting: int = 1000,
+        auto_blend: blend.AutoBlend | None = None,
     ) -> None:
-        if default_strategy not in strategies:
-            raise ValueError(f"unknown default strategy {default_strategy}")
         self.pool = pool
         self._strategies = dict(strategies)
+        self._auto_blend = auto_blend
+        self._resolved: dict[str, Strategy] = {}
+        try:
+            default = blend.resolve(default_strategy, self._strategies, auto_blend)
+        except UnknownStrategy as exc:
+            raise ValueError(f"unknown default strategy {default_strategy}: {exc}") from None
         self._default = default_strategy
+        self._default_strategy = (
+            default if default.name == default_strategy else Named(default, default_strategy)
+        )
         self._rng = rng
         self._clock = clock
         self._waiting: dict[str, list[Waiter]] = {}  # model -> waiters in arrival order
@@ -268,14 +309,21 @@ class Router:
             self.history.record(model, prompt_tokens, output_tokens, self._clock())
 
     def strategy_for(self, header: str | None) -> Strategy:
-        """The `routing-strategy` header's strategy, else the default; unknown -> 400."""
-        name = header.strip() if header else ""
-        if not name:
-            return self._strategies[self._default]
-        strategy = self._strategies.get(name)
-        if strategy is None:
-            raise UnknownStrategy(name)
-        return strategy
+        """The `routing-strategy` header's strategy (a name or a weighted list, auto-blended;
+        `plugin.core.strategies.blend`), else the default; unknown or malformed -> 400. The
+        strategy's `name` is what the client sees echoed: the string it sent."""
+        text = header.strip() if header else ""
+        if not text:
+            return self._default_strategy
+        found = self._resolved.get(text)
+        if found is None:
+            found = blend.resolve(text, self._strategies, self._auto_blend)
+            if found.name != text:  # the client sees its own string, whatever routes
+                found = Named(found, text)
+            if len(self._resolved) >= _RESOLVED_CACHE:
+                self._resolved.clear()  # clients sending endless variants pay a parse each
+            self._resolved[text] = found
+        return found
 
     def admit(self, request: RequestInfo, strategy: Strategy) -> Decision | Waiter:
         """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error.
@@ -297,6 +345,7 @@ class Router:
         answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
             lease = self.pool.acquire(answer.candidate.pod, answer.load)
+            _tell_routed(strategy, answer.candidate, request)
             return Decision(lease, asked.name, request, now, answer.expected_e2e_s)
         if type(answer) is Reject:
             raise answer.error
@@ -321,7 +370,7 @@ class Router:
         return chosen
 
     def _without_profiles(self) -> Strategy:
-        default = self._strategies[self._default]
+        default = self._default_strategy
         if getattr(default, "needs_profiles", False):
             return self._strategies["least-request"]
         return default
@@ -398,6 +447,7 @@ class Router:
         if type(answer) is Route:
             self._forget(waiter)
             lease = self.pool.acquire(answer.candidate.pod, answer.load)
+            _tell_routed(strategy, answer.candidate, waiter.request)
             decision = Decision(lease, strategy.name, waiter.request, now, answer.expected_e2e_s)
             self._settled(waiter, decision, None)
         elif type(answer) is Reject:

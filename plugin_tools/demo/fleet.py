@@ -57,6 +57,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+# The tools compare strategies as named: auto-blend (load-balance added behind least-request
+# and others; `plugin.core.strategies.blend`) is off in their fleets unless the environment or
+# a FleetSpec's plugin_env turns it on.
+PURE_STRATEGIES = {"AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": "0"}
+
+
 @dataclass(frozen=True, slots=True)
 class FleetSpec:
     model: str = "llama-3-8b"
@@ -271,7 +277,7 @@ class LocalFleet:
                 "--http-port",
                 str(http_port),
             ],
-            env={**os.environ, **self.spec.plugin_env, **env},
+            env={**PURE_STRATEGIES, **os.environ, **self.spec.plugin_env, **env},
         )
 
     async def start_extra_gateway(self, name: str, plugin_env: dict[str, str]) -> ExtraGateway:

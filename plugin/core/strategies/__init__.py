@@ -5,7 +5,7 @@ strategies and registers them on import. Adding one: a module here, imported bel
 (`docs/architecture.md`).
 """
 
-from plugin.core.strategies import load_balance, simple, slo
+from plugin.core.strategies import blend, load_balance, simple, slo
 from plugin.core.strategies.base import (
     Admission,
     Picker,
@@ -38,6 +38,7 @@ __all__ = [
     "SloSettings",
     "Strategy",
     "Wait",
+    "blend",
     "build_strategies",
     "kv_free",
     "load_balance",

@@ -21,7 +21,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import RequestError, RoutingFailed
@@ -31,6 +31,7 @@ __all__ = [
     "Picker",
     "Reject",
     "Route",
+    "Scorer",
     "Strategy",
     "Wait",
     "build_strategies",
@@ -90,6 +91,22 @@ class Strategy(Protocol):
     def admit(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
     ) -> Admission: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """A strategy that can also score each candidate, so it can take part in a blend
+    (`plugin.core.strategies.blend`): scores are normalised per request over the finite ones.
+    A strategy may also define `routed(candidate, request)`: the router calls it after every
+    request it routes with that strategy, alone or in a blend (prefix-cache learns from it)."""
+
+    name: str
+    higher_is_better: bool
+
+    def scores(self, candidates: Sequence[Candidate], request: RequestInfo) -> list[float]:
+        """One raw score per candidate, in order; a non-finite one is unscored (a blend gives it
+        the worst normalised score, 0)."""
+        ...
 
 
 class Picker(ABC):

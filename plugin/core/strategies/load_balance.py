@@ -138,6 +138,22 @@ class LoadBalance(Picker):
         object.__setattr__(self, "_room", _ByScore(self.params, room_only=True))
         object.__setattr__(self, "_all", _ByScore(self.params, room_only=False))
 
+    higher_is_better = False  # as a blend member: the lowest score is the best
+
+    def scores(self, candidates: Sequence[Candidate], request: RequestInfo) -> list[float]:
+        """The score of each candidate; with the full-batch rule on, a replica at its batch cap
+        scores +Inf while another has room (in a blend: the strongest penalty)."""
+        scores = load_balance_scores(candidates, self.params)
+        if self.params.avoid_full_batches:
+            room = with_room(candidates, self.params.kv_critical_free)
+            if len(room) < len(candidates):
+                keep = {id(c) for c in room}
+                scores = [
+                    s if id(c) in keep else math.inf
+                    for c, s in zip(candidates, scores, strict=True)
+                ]
+        return scores
+
     def pick(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
     ) -> Candidate:

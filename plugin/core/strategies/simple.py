@@ -57,6 +57,10 @@ class LeastRequest(Picker):
     """Fewest requests in flight (as the gateway counts them); ties at random."""
 
     name: str = "least-request"
+    higher_is_better = False  # as a blend member: fewer in flight is better
+
+    def scores(self, candidates: Sequence[Candidate], request: RequestInfo) -> list[float]:
+        return [float(c.running) for c in candidates]
 
     def pick(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random
