@@ -547,6 +547,13 @@ MAX_MESSAGE_BYTES: Var[int] = Var(
     " output, Envoy's buffer limit, so the two stay equal.",
     flag=Flag("envoy-config", "--max-request-bytes"),
 )
+AUTH_BEARER_TOKEN: Var[str | None] = Var(
+    "AIBRIX_AUTH_BEARER_TOKEN",
+    Text(),
+    None,
+    "When set, every request must send `Authorization: Bearer <this token>` or get a 401"
+    " (compared in constant time; never logged).",
+)
 MAX_REQUEST_HEADERS: Var[int] = Var(
     "HETERO_GATEWAY_MAX_REQUEST_HEADERS",
     Int(ge=16, le=10000),
@@ -792,6 +799,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     METRIC_REFRESH_MS,
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_HEADERS,
+    AUTH_BEARER_TOKEN,
     PODS_FILE,
     GRPC_PORT,
     HTTP_PORT,
@@ -867,6 +875,7 @@ class Settings:
     metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
     max_request_headers: int = MAX_REQUEST_HEADERS.default
+    auth_bearer_token: str | None = field(default=None, repr=False)  # never printed
     pods_file: str | None = PODS_FILE.default
     grpc_port: int = GRPC_PORT.default
     http_port: int = HTTP_PORT.default
@@ -990,6 +999,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         metric_refresh_interval_s=METRIC_REFRESH_MS.read(env) / 1000.0,
         max_message_bytes=max_message_bytes(env),
         max_request_headers=max_request_headers(env),
+        auth_bearer_token=AUTH_BEARER_TOKEN.read(env) or None,
         pods_file=PODS_FILE.read(env),
         grpc_port=GRPC_PORT.read(env),
         http_port=HTTP_PORT.read(env),

@@ -141,6 +141,17 @@ class UnknownStrategy(RequestError):
         super().__init__(f"incorrect routing strategy {echo(strategy)}{reason}")
 
 
+class Unauthorized(RequestError):
+    """The gateway's bearer token is set and the request does not carry it."""
+
+    status = 401
+    code = "invalid_api_key"
+    header = ("x-error-auth", "true")
+
+    def __init__(self) -> None:
+        super().__init__("missing or incorrect API key: send Authorization: Bearer <token>")
+
+
 class RoutingFailed(RequestError):
     """A strategy excluded every candidate (or rejected the request)."""
 

@@ -308,6 +308,7 @@ FREE_TEXT = {
     "HETERO_GATEWAY_PODS_FILE",
     "HETERO_GATEWAY_PROFILE_DIR",  # checked when the gateway starts (a directory)
     "REDIS_PASSWORD",
+    "AIBRIX_AUTH_BEARER_TOKEN",
     "POD_NAME",
     "POD_NAMESPACE",
 }
@@ -556,3 +557,10 @@ def test_a_readme_without_markers_is_an_error(tmp_path: Path) -> None:
     path.write_text("no table here\n", encoding="utf-8")
     with pytest.raises(ValueError, match="config-table"):
         config.main(["--write-readme", str(path)])
+
+
+def test_the_bearer_token_is_read_trimmed_and_never_printed() -> None:
+    settings = load_settings({"AIBRIX_AUTH_BEARER_TOKEN": "  s3cret-token "})
+    assert settings.auth_bearer_token == "s3cret-token"
+    assert "s3cret" not in repr(settings)
+    assert load_settings({"AIBRIX_AUTH_BEARER_TOKEN": "   "}).auth_bearer_token is None

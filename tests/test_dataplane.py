@@ -161,6 +161,34 @@ async def test_a_blended_strategy_routes_and_echoes_what_the_client_sent(
         assert sum(p["routed_total"] for p in state["pods"].values()) == 6
 
 
+async def test_a_gateway_with_a_bearer_token_lets_in_only_requests_that_carry_it(
+    fleet: LocalFleet,
+) -> None:
+    """AIBRIX_AUTH_BEARER_TOKEN set: without the token, or with another, a 401 in OpenAI's
+    shape before anything is routed (the model list included); with it, served."""
+    gateway = await fleet.start_extra_gateway("gw-auth", {"AIBRIX_AUTH_BEARER_TOKEN": "dp-token-7"})
+    url = f"{gateway.envoy_url}/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        for auth in (None, "Bearer wrong", "Basic dp-token-7", "Bearer dp-token-7x"):
+            headers = {} if auth is None else {"authorization": auth}
+            async with session.post(url, json=chat(3), headers=headers) as resp:
+                assert resp.status == 401
+                assert resp.headers["x-error-auth"] == "true"
+                error = (await resp.json())["error"]
+                assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+                assert "dp-token" not in error["message"]
+        async with session.get(f"{gateway.envoy_url}/v1/models") as resp:
+            assert resp.status == 401
+        ok = {"authorization": "bearer dp-token-7"}
+        async with session.post(url, json=chat(3), headers=ok) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] == 3
+        async with session.get(f"{gateway.envoy_url}/v1/models", headers=ok) as resp:
+            assert resp.status == 200
+        state = await debug_pods(session, gateway.plugin_url)
+        assert sum(p["routed_total"] for p in state["pods"].values()) == 1
+
+
 async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     async with (
         aiohttp.ClientSession() as session,

@@ -37,6 +37,7 @@ from plugin.adapters.steering import (
     TARGET_POD_HEADER,
 )
 from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, MAX_REQUEST_HEADERS
+from plugin.core.auth import BearerToken
 from plugin.core.request import (
     LLM_PATHS,
     MODELS_PATH,
@@ -55,6 +56,7 @@ from plugin.errors import (
     MethodNotAllowed,
     RequestError,
     TooManyHeaders,
+    Unauthorized,
     UnknownModel,
     error_reply,
 )
@@ -81,6 +83,7 @@ _WANTED = frozenset(
     {
         ":path",
         ":method",
+        "authorization",
         "routing-strategy",
         "x-request-id",
         SLO_TTFT_HEADER,
@@ -319,6 +322,7 @@ class RoutingProcessor:
 
     __slots__ = (
         "_arrived_at",
+        "_auth",
         "_body_parts",
         "_decision",
         "_errors",
@@ -339,10 +343,12 @@ class RoutingProcessor:
         max_headers: int = DEFAULT_MAX_HEADERS,
         handoff: LeaseHandoff | None = None,
         tracer: TraceRecorder | None = None,
+        auth: BearerToken | None = None,
     ) -> None:
         self._router = router
         self._errors = errors
         self._max_headers = max_headers
+        self._auth = auth  # set: every request must carry the gateway's bearer token
         self._handoff = handoff  # set: pick only, the counting stream takes the lease
         self._tracer = tracer
         self.finished = False  # nothing more to do: the servicer ends the stream
@@ -387,6 +393,8 @@ class RoutingProcessor:
                 headers[h.key] = _value(h)
             elif h.key in _STEERING_SET:
                 steering += 1
+        if self._auth is not None and not self._auth.authorizes(headers.get("authorization")):
+            return self._fail(Unauthorized())
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "POST")
         if path == MODELS_PATH and method == "GET":
@@ -630,10 +638,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         hold_timeout_s: float = ENVOY_MAX_MESSAGE_TIMEOUT_S,
         max_headers: int = DEFAULT_MAX_HEADERS,
         tracer: TraceRecorder | None = None,
+        auth: BearerToken | None = None,
     ) -> None:
         """`tracer`, when tracing is on, hears of every request's arrival, routing, end and
-        reported size (a dict increment each)."""
+        reported size (a dict increment each); `auth`, when set, is the bearer token every
+        request must carry (AIBRIX_AUTH_BEARER_TOKEN)."""
         self.router = router
+        self.auth = auth
         self.tracer = tracer
         self.errors = ErrorCounts()
         self.max_headers = max_headers
@@ -648,7 +659,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if first.observability_mode:
             return CountingProcessor(self.router, self.handoff, self.tracer)
         handoff = self.handoff if pick_only else None
-        return RoutingProcessor(self.router, self.errors, self.max_headers, handoff, self.tracer)
+        return RoutingProcessor(
+            self.router, self.errors, self.max_headers, handoff, self.tracer, self.auth
+        )
 
     async def Process(
         self,

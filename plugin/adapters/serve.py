@@ -24,6 +24,7 @@ from plugin.adapters.native_memory import MemoryTrimmer
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import Settings
+from plugin.core.auth import BearerToken
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.profile import ProfileBook
@@ -152,6 +153,9 @@ class Gateway:
             settings.slo.max_wait_s + 1.0,
             settings.max_request_headers,
             tracer=None if self.tracer is None else self.tracer.recorder,
+            auth=None
+            if not settings.auth_bearer_token
+            else BearerToken(settings.auth_bearer_token),
         )
         self.scraper = MetricsScraper(
             self.pool,
