@@ -26,6 +26,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings, SloSettings, strategy_names
 from plugin.core.strategies.blend import MAX_WEIGHT, AutoBlend, parse_blend
+from plugin.core.strategies.gate import ImbalanceSettings
+from plugin.core.strategies.prefix_cache import PrefixCacheSettings
 from plugin.errors import ConfigError, RequestError
 
 V = TypeVar("V")
@@ -470,6 +472,28 @@ ROUTING_ALGORITHM: Var[str] = Var(
     "Strategy used when a request has no `routing-strategy` header: a name or a weighted list"
     " (`prefix-cache:5,load-balance:4`), auto-blended like the header.",
 )
+_GATE = ImbalanceSettings()
+IMBALANCE_GATE: Var[str] = Var(
+    "HETERO_GATEWAY_IMBALANCE_GATE",
+    Choice(("capacity", "count", "off")),
+    "capacity",
+    "The load-imbalance gate ahead of every strategy but the SLO ones: `capacity` compares load"
+    " per unit of learned capacity (a fast replica is not a hotspot for carrying its share),"
+    " `count` is AIBrix's rule on raw running counts, `off` has no gate (see Routing).",
+)
+IMBALANCE_MIN_GAP: Var[float] = Var(
+    "AIBRIX_LOAD_BALANCE_IMBALANCE_MIN_GAP",
+    Float(ge=0),
+    _GATE.min_gap,
+    "Imbalance gate: it fires when the busiest replica's load exceeds the least loaded's by at"
+    " least this many requests (and, with 3 replicas or more, the factor below holds).",
+)
+IMBALANCE_FACTOR: Var[float] = Var(
+    "AIBRIX_LOAD_BALANCE_IMBALANCE_FACTOR",
+    Float(ge=0),
+    _GATE.factor,
+    "Imbalance gate: ... and the busiest's load exceeds this times (the others' mean + 1).",
+)
 _AUTO = AutoBlend()
 AUTO_BLEND_LB_WEIGHT: Var[int] = Var(
     "AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT",
@@ -531,6 +555,23 @@ LB_AVOID_FULL_BATCHES: Var[bool] = Var(
     "pass over a replica whose engine batch is full while another has room; `false` is the"
     " reference algorithm (see Routing).",
     strategy="load-balance",
+)
+
+_PC = PrefixCacheSettings()
+PC_BLOCK_SIZE: Var[int] = Var(
+    "AIBRIX_PREFIX_CACHE_BLOCK_SIZE",
+    Int(ge=1, le=1 << 20),
+    _PC.block_chars,
+    "characters per hashed prompt block (AIBrix's `character` tokenizer: a byte is a token).",
+    strategy="prefix-cache",
+)
+PC_BLOCK_NUMBER: Var[int] = Var(
+    "AIBRIX_PREFIX_CACHE_BLOCK_NUMBER",
+    Int(ge=1, le=100_000_000),
+    _PC.max_blocks,
+    "block hashes the index keeps over all models, least recently sent evicted first (about"
+    " 190 bytes each).",
+    strategy="prefix-cache",
 )
 
 METRIC_REFRESH_MS: Var[int] = Var(
@@ -792,10 +833,15 @@ ENV_VARS: tuple[Var[Any], ...] = (
     AUTO_BLEND_LR_WEIGHT,
     AUTO_BLEND_PC_WEIGHT,
     AUTO_BLEND_PC_LB_WEIGHT,
+    IMBALANCE_GATE,
+    IMBALANCE_MIN_GAP,
+    IMBALANCE_FACTOR,
     LB_QUEUED_WEIGHT,
     LB_KV_PRESSURE_ALPHA,
     LB_KV_CRITICAL_FREE,
     LB_AVOID_FULL_BATCHES,
+    PC_BLOCK_SIZE,
+    PC_BLOCK_NUMBER,
     METRIC_REFRESH_MS,
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_HEADERS,
@@ -869,8 +915,10 @@ class Settings:
 
     default_strategy: str = ROUTING_ALGORITHM.default
     auto_blend: AutoBlend = field(default_factory=AutoBlend)
+    imbalance: ImbalanceSettings | None = field(default_factory=ImbalanceSettings)  # None: off
     load_balance: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
     slo: SloSettings = field(default_factory=SloSettings)
+    prefix_cache: PrefixCacheSettings = field(default_factory=PrefixCacheSettings)
     max_waiting: int = MAX_WAITING.default
     metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
@@ -902,7 +950,7 @@ class Settings:
 
     def strategy_settings(self) -> tuple[object, ...]:
         """Every strategy's own settings object, for `build_strategies(*...)`."""
-        return (self.load_balance, self.slo)
+        return (self.load_balance, self.slo, self.prefix_cache)
 
 
 def _load_balance_settings(env: Mapping[str, str]) -> LoadBalanceSettings:
@@ -911,6 +959,17 @@ def _load_balance_settings(env: Mapping[str, str]) -> LoadBalanceSettings:
         kv_pressure_alpha=LB_KV_PRESSURE_ALPHA.read(env),
         kv_critical_free=LB_KV_CRITICAL_FREE.read(env),
         avoid_full_batches=LB_AVOID_FULL_BATCHES.read(env),
+    )
+
+
+def _imbalance_settings(env: Mapping[str, str]) -> ImbalanceSettings | None:
+    mode = IMBALANCE_GATE.read(env)
+    if mode == "off":
+        return None
+    return ImbalanceSettings(
+        min_gap=IMBALANCE_MIN_GAP.read(env),
+        factor=IMBALANCE_FACTOR.read(env),
+        capacity_aware=mode == "capacity",
     )
 
 
@@ -989,6 +1048,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     env = os.environ if env is None else env
     return Settings(
         default_strategy=ROUTING_ALGORITHM.read(env),
+        imbalance=_imbalance_settings(env),
         auto_blend=AutoBlend(
             load_balance_weight=AUTO_BLEND_LB_WEIGHT.read(env),
             least_request_weight=AUTO_BLEND_LR_WEIGHT.read(env),
@@ -996,6 +1056,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             prefix_cache_load_balance_weight=AUTO_BLEND_PC_LB_WEIGHT.read(env),
         ),
         load_balance=_load_balance_settings(env),
+        prefix_cache=PrefixCacheSettings(
+            block_chars=PC_BLOCK_SIZE.read(env), max_blocks=PC_BLOCK_NUMBER.read(env)
+        ),
         metric_refresh_interval_s=METRIC_REFRESH_MS.read(env) / 1000.0,
         max_message_bytes=max_message_bytes(env),
         max_request_headers=max_request_headers(env),

@@ -265,6 +265,11 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
         "load-balance:1000001",
     ),
     "AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": ("1.5", "1000001", "x"),
+    "HETERO_GATEWAY_IMBALANCE_GATE": ("raw", "on"),
+    "AIBRIX_LOAD_BALANCE_IMBALANCE_MIN_GAP": ("-1", "nan", "x"),
+    "AIBRIX_LOAD_BALANCE_IMBALANCE_FACTOR": ("-0.5", "inf"),
+    "AIBRIX_PREFIX_CACHE_BLOCK_SIZE": ("0", "1.5", str(2**20 + 1)),
+    "AIBRIX_PREFIX_CACHE_BLOCK_NUMBER": ("0", "-5", "many"),
     "AIBRIX_ROUTING_AUTO_BLEND_LEAST_REQUEST_WEIGHT": ("-1", "1000001"),
     "AIBRIX_ROUTING_AUTO_BLEND_PREFIX_CACHE_WEIGHT": ("-1", "1.5"),
     "AIBRIX_ROUTING_AUTO_BLEND_PREFIX_CACHE_LOAD_BALANCE_WEIGHT": ("-1", "x"),
@@ -497,6 +502,8 @@ def test_every_strategy_variable_names_a_strategy_with_settings() -> None:
         "AIBRIX_LOAD_BALANCE_KV_PRESSURE_ALPHA",
         "AIBRIX_LOAD_BALANCE_KV_CRITICAL_FREE",
         "HETERO_GATEWAY_LB_AVOID_FULL_BATCHES",
+        "AIBRIX_PREFIX_CACHE_BLOCK_SIZE",
+        "AIBRIX_PREFIX_CACHE_BLOCK_NUMBER",
     }
     for var in marked:
         assert var.strategy in strategy_names()
@@ -564,3 +571,17 @@ def test_the_bearer_token_is_read_trimmed_and_never_printed() -> None:
     assert settings.auth_bearer_token == "s3cret-token"
     assert "s3cret" not in repr(settings)
     assert load_settings({"AIBRIX_AUTH_BEARER_TOKEN": "   "}).auth_bearer_token is None
+
+
+def test_the_imbalance_gate_is_capacity_aware_by_default_and_can_be_aibrix_s_or_off() -> None:
+    gate = load_settings({}).imbalance
+    assert gate is not None and gate.capacity_aware and (gate.min_gap, gate.factor) == (8, 2.0)
+    raw = load_settings(
+        {
+            "HETERO_GATEWAY_IMBALANCE_GATE": "count",
+            "AIBRIX_LOAD_BALANCE_IMBALANCE_MIN_GAP": "4",
+            "AIBRIX_LOAD_BALANCE_IMBALANCE_FACTOR": "1.5",
+        }
+    ).imbalance
+    assert raw is not None and not raw.capacity_aware and (raw.min_gap, raw.factor) == (4, 1.5)
+    assert load_settings({"HETERO_GATEWAY_IMBALANCE_GATE": "off"}).imbalance is None

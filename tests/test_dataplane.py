@@ -189,6 +189,50 @@ async def test_a_gateway_with_a_bearer_token_lets_in_only_requests_that_carry_it
         assert sum(p["routed_total"] for p in state["pods"].values()) == 1
 
 
+async def test_prefix_cache_keeps_a_shared_prompt_on_the_replica_that_holds_it(
+    fleet: LocalFleet,
+) -> None:
+    """`routing-strategy: prefix-cache` through a gateway with AIBrix's defaults (auto-blended
+    to prefix-cache:5,load-balance:4, gate on): three long system prompts, each asked five
+    questions in turn; every prompt's requests land on one engine (the one its first request
+    went to), and the plugin counts the hits."""
+    gateway = await fleet.start_extra_gateway(
+        "gw-prefix",
+        {
+            "AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": "1",
+            "HETERO_GATEWAY_IMBALANCE_GATE": "capacity",
+        },
+    )
+    systems = [f"You are assistant number {i}. " * 30 for i in range(3)]  # ~900 chars each
+    served: dict[int, set[str]] = {i: set() for i in range(3)}
+    async with aiohttp.ClientSession() as session:
+        for question in range(5):
+            for i, system in enumerate(systems):
+                body = chat(2) | {
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": f"question {question}?"},
+                    ]
+                }
+                async with session.post(
+                    f"{gateway.envoy_url}/v1/chat/completions",
+                    json=body,
+                    headers={"routing-strategy": "prefix-cache"},
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["routing-strategy"] == "prefix-cache"
+                    served[i].add(resp.headers["x-mock-engine"])
+                    await resp.read()
+        assert all(len(engines) == 1 for engines in served.values()), served
+        metrics = await (await session.get(f"{gateway.plugin_url}/metrics")).text()
+    hits = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("hetero_gateway_prefix_cache_matched_blocks_total{")
+    ]
+    assert sum(hits) > 0
+
+
 async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     async with (
         aiohttp.ClientSession() as session,

@@ -98,9 +98,13 @@ class GatewayCollector(Collector):
         waits: WaitStats | None = None,
         predictions: PredictionStats | None = None,
         tracing: TracingView | None = None,
+        imbalance: Callable[[], Mapping[str, int]] = dict,
+        prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
     ) -> None:
         self._pool = pool
+        self._prefix_cache = prefix_cache
         self._tracing = tracing
+        self._imbalance = imbalance
         self._waiting = waiting
         self._waits = waits
         self._predictions = predictions
@@ -168,7 +172,36 @@ class GatewayCollector(Collector):
         counts = self._waiting()
         for model in sorted(set(self._pool.models()) | set(counts)):
             held.add_metric([model], counts.get(model, 0))
+        gated = CounterMetricFamily(
+            "hetero_gateway_load_imbalance",
+            "Requests the load-imbalance gate routed itself, per model (AIBrix's"
+            " aibrix_load_imbalance_total).",
+            labels=["model"],
+        )
+        fired = self._imbalance()
+        for model in sorted(set(self._pool.models()) | set(fired)):
+            gated.add_metric([model], fired.get(model, 0))
         yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info, held)
+        yield gated
+        prefix = self._prefix_cache()
+        if prefix:
+            for i, (name, what) in enumerate(
+                (
+                    ("requests", "Requests routed with prefix-cache (alone or blended)."),
+                    ("prompt_blocks", "Whole prompt blocks of those requests."),
+                    (
+                        "matched_blocks",
+                        "Of those, blocks the chosen replica was sent before:"
+                        " matched / prompt is the prefix-cache hit rate.",
+                    ),
+                )
+            ):
+                family = CounterMetricFamily(
+                    f"hetero_gateway_prefix_cache_{name}", what, labels=["model"]
+                )
+                for model, per_model in sorted(prefix.items()):
+                    family.add_metric([model], per_model[i])
+                yield family
         if self._waits is not None:
             yield from queue_families(self._waits, self._predictions)
         if self._shared is not None:
@@ -240,11 +273,23 @@ def build_app(
     waits: WaitStats | None = None,
     predictions: PredictionStats | None = None,
     tracing: TracingView | None = None,
+    imbalance: Callable[[], Mapping[str, int]] = dict,
+    prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(
         GatewayCollector(
-            pool, errors, scraper, shared, gpu_label, waiting, waits, predictions, tracing
+            pool,
+            errors,
+            scraper,
+            shared,
+            gpu_label,
+            waiting,
+            waits,
+            predictions,
+            tracing,
+            imbalance,
+            prefix_cache,
         )
     )
 

@@ -30,6 +30,7 @@ from plugin.core.pool import PodPool
 from plugin.core.profile import ProfileBook
 from plugin.core.router import Router
 from plugin.core.strategies import Strategy, build_strategies
+from plugin.core.strategies.gate import ImbalanceGate
 from plugin.core.types import Pod
 from plugin.errors import ConfigError, ShuttingDown
 
@@ -134,6 +135,7 @@ class Gateway:
             time.monotonic,
             max_waiting=settings.max_waiting,
             auto_blend=settings.auto_blend,
+            gate=None if settings.imbalance is None else ImbalanceGate(settings.imbalance),
         )
         # Request traces for the GPU optimizer: counted on the request path, written to Redis
         # every 10 s by a background task (the flag without Redis stops start-up in config).
@@ -189,7 +191,9 @@ class Gateway:
 
     def _on_pods(self, pods: list[Pod]) -> None:
         first = not self.pool.loaded
+        before = {p.key for p in self.pool.pods()}
         self.pool.set_pods(pods)
+        self.router.pods_removed(sorted(before - {p.key for p in pods}))
         if first:
             log.info("pod discovery loaded: %d pods, models %s", len(pods), self.pool.models())
             self._tasks.append(asyncio.ensure_future(self._set_serving()))
@@ -236,6 +240,8 @@ class Gateway:
             gpu_label=self.settings.gpu_label,
             draining=lambda: self.draining,
             waiting=self.router.waiting_by_model,
+            imbalance=self.router.imbalance_fired,
+            prefix_cache=self.router.prefix_cache_stats,
             profiles=self.profile_loader,
             waits=self.router.waits,
             predictions=self.router.predictions,

@@ -26,6 +26,7 @@ from typing import Any
 from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
 from plugin.core.strategies.base import Admission
+from plugin.core.strategies.gate import Gated, ImbalanceGate
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import (
     NoMatchingPod,
@@ -232,6 +233,7 @@ class Router:
         "_strategies",
         "_waiting",
         "_waking",
+        "gate",
         "history",
         "max_waiting",
         "pool",
@@ -249,6 +251,7 @@ class Router:
         history: OutputHistory | None = None,
         max_waiting: int = 1000,
         auto_blend: blend.AutoBlend | None = None,
+        gate: ImbalanceGate | None = None,
     ) -> None:
         self.pool = pool
         self._strategies = dict(strategies)
@@ -258,10 +261,9 @@ class Router:
             default = blend.resolve(default_strategy, self._strategies, auto_blend)
         except UnknownStrategy as exc:
             raise ValueError(f"unknown default strategy {default_strategy}: {exc}") from None
+        self.gate = gate
         self._default = default_strategy
-        self._default_strategy = (
-            default if default.name == default_strategy else Named(default, default_strategy)
-        )
+        self._default_strategy = self._gated(default, default_strategy)
         self._rng = rng
         self._clock = clock
         self._waiting: dict[str, list[Waiter]] = {}  # model -> waiters in arrival order
@@ -276,6 +278,34 @@ class Router:
 
     def now(self) -> float:
         return self._clock()
+
+    def _gated(self, strategy: Strategy, asked: str) -> Strategy:
+        """The strategy behind the imbalance gate (not an SLO one: those keep their own pod
+        choice, as AIBrix exempts them), under the name the client asked for (the client sees
+        its own string, whatever routes)."""
+        if self.gate is not None and not getattr(strategy, "needs_profiles", False):
+            strategy = Gated(strategy, self.gate)
+        return strategy if strategy.name == asked else Named(strategy, asked)
+
+    def pods_removed(self, keys: Sequence[str]) -> None:
+        """Pods left discovery: strategies that remember pods (prefix-cache) forget them, so a
+        pod that comes back under the same name is not credited with a cache it lost."""
+        if not keys:
+            return
+        for strategy in self._strategies.values():
+            forget = getattr(strategy, "forget", None)
+            if forget is not None:
+                forget(*keys)
+
+    def prefix_cache_stats(self) -> dict[str, tuple[int, int, int]]:
+        """Per model: (requests, prompt blocks, matched blocks) of requests routed with
+        prefix-cache, alone or blended (none without that strategy)."""
+        stats = getattr(self._strategies.get("prefix-cache"), "stats", None) or {}
+        return {m: (s.requests, s.prompt_blocks, s.matched_blocks) for m, s in stats.items()}
+
+    def imbalance_fired(self) -> dict[str, int]:
+        """Requests the imbalance gate routed itself, per model (none without a gate)."""
+        return dict(self.gate.fired) if self.gate is not None else {}
 
     def fallback(self, decision: Decision) -> Pod | None:
         """Another pod the request may go to (routable, and matching its `external-filter`), for
@@ -317,9 +347,7 @@ class Router:
             return self._default_strategy
         found = self._resolved.get(text)
         if found is None:
-            found = blend.resolve(text, self._strategies, self._auto_blend)
-            if found.name != text:  # the client sees its own string, whatever routes
-                found = Named(found, text)
+            found = self._gated(blend.resolve(text, self._strategies, self._auto_blend), text)
             if len(self._resolved) >= _RESOLVED_CACHE:
                 self._resolved.clear()  # clients sending endless variants pay a parse each
             self._resolved[text] = found

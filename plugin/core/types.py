@@ -134,3 +134,7 @@ class RequestInfo:
     predicted_output_tokens: int | None = None
     # AIBrix's `external-filter` header: only pods whose labels match may serve the request.
     pod_selector: LabelSelector | None = None
+    # The prompt's text parts in order, as the body holds them (chat contents, completion
+    # strings; a token-id prompt as 4 characters an id): what prefix-cache hashes. References to
+    # the parsed body's strings, so collecting them costs an append each; left out of the repr.
+    prompt_parts: tuple[str, ...] = field(default=(), repr=False)

@@ -58,9 +58,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # The tools compare strategies as named: auto-blend (load-balance added behind least-request
-# and others; `plugin.core.strategies.blend`) is off in their fleets unless the environment or
-# a FleetSpec's plugin_env turns it on.
-PURE_STRATEGIES = {"AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": "0"}
+# and others; `plugin.core.strategies.blend`) and the load-imbalance gate ahead of them
+# (`plugin.core.strategies.gate`) are off in their fleets unless the environment or a
+# FleetSpec's plugin_env turns them on.
+PURE_STRATEGIES = {
+    "AIBRIX_ROUTING_AUTO_BLEND_LOAD_BALANCE_WEIGHT": "0",
+    "HETERO_GATEWAY_IMBALANCE_GATE": "off",
+}
 
 
 @dataclass(frozen=True, slots=True)

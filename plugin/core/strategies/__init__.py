@@ -5,7 +5,7 @@ strategies and registers them on import. Adding one: a module here, imported bel
 (`docs/architecture.md`).
 """
 
-from plugin.core.strategies import blend, load_balance, simple, slo
+from plugin.core.strategies import blend, load_balance, prefix_cache, simple, slo
 from plugin.core.strategies.base import (
     Admission,
     Picker,
@@ -43,6 +43,7 @@ __all__ = [
     "kv_free",
     "load_balance",
     "load_balance_scores",
+    "prefix_cache",
     "register_strategy",
     "settings_type",
     "simple",
