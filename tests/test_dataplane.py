@@ -233,6 +233,68 @@ async def test_prefix_cache_keeps_a_shared_prompt_on_the_replica_that_holds_it(
     assert sum(hits) > 0
 
 
+async def test_a_config_profile_from_the_pods_file_chooses_the_strategy(
+    fleet: LocalFleet,
+) -> None:
+    """AIBrix's model config (`model.aibrix.ai/config`, here the pods file's `config`): with no
+    header the default profile's strategy routes; `config-profile: auto` picks the profile whose
+    range fits (max_tokens >= 64) and the response names it in `x-aibrix-config-profile`; a
+    `routing-strategy` header still wins. The original pods file is put back at the end."""
+    original = fleet.pods_file.read_text()
+    doc = yaml.safe_load(original)
+    doc["models"][MODEL]["config"] = {
+        "defaultProfile": "default",
+        "profiles": {
+            "default": {"routingStrategy": "round-robin"},
+            "long": {"routingStrategy": "random", "routingConfig": {"maxTokensGte": 64}},
+        },
+    }
+    url = f"{fleet.envoy_url}/v1/chat/completions"
+
+    async def send(
+        session: aiohttp.ClientSession, max_tokens: int, headers: dict[str, str]
+    ) -> tuple[str, str | None]:
+        async with session.post(url, json=chat(max_tokens), headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            return resp.headers["routing-strategy"], resp.headers.get("x-aibrix-config-profile")
+
+    async def profiles_listed(session: aiohttp.ClientSession, listed: bool) -> None:
+        await poll(
+            lambda: pods_state(session, fleet),
+            lambda state: all(
+                (p["config_profiles"] is not None) is listed
+                for p in state["pods"].values()
+                if p["model"] == MODEL
+            ),
+            "the pods file's config profiles",
+            limit_s=10,
+            interval_s=0.2,
+        )
+
+    async with aiohttp.ClientSession() as session:
+        fleet.pods_file.write_text(yaml.safe_dump(doc))
+        try:
+            await profiles_listed(session, True)
+            assert await send(session, 4, {}) == ("round-robin", None)
+            assert await send(session, 100, {"config-profile": "auto"}) == ("random", "long")
+            assert await send(session, 4, {"config-profile": "auto"}) == (
+                "round-robin",
+                "default",
+            )
+            assert await send(session, 4, {"config-profile": "long"}) == ("random", "long")
+            spoofed = {"config-profile": "long", "routing-strategy": "least-request"}
+            assert await send(session, 4, spoofed) == ("least-request", "long")
+            # A client's own copy of the echo header is removed, not passed back.
+            assert await send(session, 4, {"x-aibrix-config-profile": "forged"}) == (
+                "round-robin",
+                None,
+            )
+        finally:
+            fleet.pods_file.write_text(original)
+        await profiles_listed(session, False)
+
+
 async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     async with (
         aiohttp.ClientSession() as session,

@@ -132,7 +132,13 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
         assert cfg["grpc_service"]["initial_metadata"] == [
             {"key": "x-hetero-gateway-routing", "value": "pick-only"}
         ]
-        assert added == {"request-id", "routing-strategy", "target-pod", "target-pod-ip"}
+        assert added == {
+            "request-id",
+            "routing-strategy",
+            "target-pod",
+            "target-pod-ip",
+            "x-aibrix-config-profile",
+        }
     else:
         assert "initial_metadata" not in cfg["grpc_service"] and not added
     if count_mode == "observe":

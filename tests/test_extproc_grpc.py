@@ -56,6 +56,7 @@ HEADERS_CONTINUE = pb.ProcessingResponse(
                     "target-pod",
                     "x-gateway-destination-endpoint",
                     "x-hetero-gateway-prompt-tokens",
+                    "x-aibrix-config-profile",
                 ]
             )
         )

@@ -18,7 +18,9 @@ File shape (models and their pods; every pod field but name/address/port is opti
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -27,10 +29,23 @@ from typing import Any, Protocol
 import yaml
 
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL
+from plugin.core.config_profile import CONFIG_ANNOTATION, ModelConfig, parse_model_config
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=256)
+def model_config_from(raw: str) -> ModelConfig | None:
+    """A `model.aibrix.ai/config` document, parsed once per distinct text (every pod of a
+    deployment carries the same one, and one object per text lets the router cache by it).
+    What the document gets wrong is logged, once, and ignored; the rest applies."""
+    config, problems = parse_model_config(raw)
+    for problem in problems:
+        log.warning("%s: %s", CONFIG_ANNOTATION, problem)
+    return config
+
 
 PodsCallback = Callable[[list[Pod]], None]
 
@@ -61,6 +76,13 @@ def parse_pods(
         entries = spec.get("pods") if isinstance(spec, dict) else None
         if not isinstance(entries, list):
             raise ConfigError(f"{source}: models.{model}.pods must be a list")
+        # The model's config profiles, as the annotation would carry them (an object or its
+        # JSON text); every pod of the model gets them.
+        raw_config = spec.get("config")
+        config = None
+        if raw_config is not None:
+            text = raw_config if isinstance(raw_config, str) else json.dumps(raw_config)
+            config = model_config_from(text)
         for i, entry in enumerate(entries):
             where = f"{source}: models.{model}.pods[{i}]"
             if not isinstance(entry, dict):
@@ -97,6 +119,7 @@ def parse_pods(
                 ready=ready,
                 labels={str(k): str(v) for k, v in labels.items()},
                 deployment=str(labels[deployment_label]) if labels.get(deployment_label) else None,
+                model_config=config,
             )
             if pod.key in seen:
                 raise ConfigError(f"{where}: pod {pod.key} listed twice")

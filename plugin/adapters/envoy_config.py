@@ -29,6 +29,7 @@ from plugin.adapters.steering import (
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     PICK_ONLY,
+    PROFILE_ECHO_HEADER,
     REPLY_METADATA_NAMESPACE,
     TARGET_POD_HEADER,
 )
@@ -238,6 +239,7 @@ _ROUTED_RESPONSE_HEADERS = (
     ("routing-strategy", "%REQ(routing-strategy)%"),
     (TARGET_POD_HEADER, f"%DYNAMIC_METADATA({REPLY_METADATA_NAMESPACE}:pod)%"),
     ("target-pod-ip", f"%REQ({TARGET_POD_HEADER})%"),
+    (PROFILE_ECHO_HEADER, f"%REQ({PROFILE_ECHO_HEADER})%"),
 )
 
 

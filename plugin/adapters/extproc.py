@@ -29,9 +29,11 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import duration_pb2, struct_pb2
 
 from plugin.adapters.steering import (
+    CONFIG_PROFILE_HEADER,
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
     PICK_ONLY,
+    PROFILE_ECHO_HEADER,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
     TARGET_POD_HEADER,
@@ -85,6 +87,7 @@ _WANTED = frozenset(
         ":method",
         "authorization",
         "routing-strategy",
+        CONFIG_PROFILE_HEADER,
         "x-request-id",
         SLO_TTFT_HEADER,
         SLO_TPOT_HEADER,
@@ -95,11 +98,18 @@ _WANTED = frozenset(
 # Replies that carry nothing are built once and reused.
 # The steering headers are the plugin's to set: one a client sent is removed on every request,
 # routed or not, so nobody can point Envoy's ORIGINAL_DST cluster at an address of their choice.
-_STEERING_HEADERS = (TARGET_POD_HEADER, DESTINATION_HEADER, PROMPT_TOKENS_HEADER)
+# Set by the plugin only: a client's copy is removed (the echo included, so it cannot be spoofed).
+_STEERING_HEADERS = (
+    TARGET_POD_HEADER,
+    DESTINATION_HEADER,
+    PROMPT_TOKENS_HEADER,
+    PROFILE_ECHO_HEADER,
+)
 _STEERING_SET = frozenset(_STEERING_HEADERS)
-# Headers a routed request always gets (the steering ones); `routing-strategy` and
-# `x-request-id` are added too when the client did not send them.
-_ALWAYS_ADDED = len(_STEERING_HEADERS)
+# Headers a routed request always gets (the steering ones but the profile echo); `routing-strategy`
+# and `x-request-id` are added too when the client did not send them, and the profile echo when it
+# asked for a profile.
+_ALWAYS_ADDED = len(_STEERING_HEADERS) - 1
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(
@@ -330,6 +340,7 @@ class RoutingProcessor:
         "_headers",
         "_max_headers",
         "_passthrough",
+        "_profile",
         "_router",
         "_tokens",
         "_tracer",
@@ -358,6 +369,7 @@ class RoutingProcessor:
         self._decision: Decision | None = None
         self._tokens = ResponseTokens()
         self._arrived_at = 0.0
+        self._profile: str | None = None  # the config profile to echo, when one was asked for
 
     @property
     def decision(self) -> Decision | None:
@@ -409,7 +421,10 @@ class RoutingProcessor:
         # Envoy refuses a mutation that takes the request over its header count limit, with an
         # empty 503: say so first, in a 431 the client can act on.
         added = (
-            _ALWAYS_ADDED + ("routing-strategy" not in headers) + ("x-request-id" not in headers)
+            _ALWAYS_ADDED
+            + ("routing-strategy" not in headers)
+            + ("x-request-id" not in headers)
+            + (CONFIG_PROFILE_HEADER in headers)
         )
         count = len(msg.headers.headers)
         if count - steering + added > self._max_headers:
@@ -430,13 +445,17 @@ class RoutingProcessor:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         request: RequestInfo | None = None
         try:
-            strategy = self._router.strategy_for(headers.get("routing-strategy"))
             slo = parse_slo(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER))
             selector_text = headers.get(EXTERNAL_FILTER_HEADER)
             selector = parse_selector(selector_text) if selector_text else None
             request = parse_request(
                 body, request_id, arrived_at=self._arrived_at, slo=slo, pod_selector=selector
             )
+            strategy, profile = self._router.select(
+                request, headers.get("routing-strategy"), headers.get(CONFIG_PROFILE_HEADER)
+            )
+            if profile is not None and CONFIG_PROFILE_HEADER in headers:
+                self._profile = profile.name  # echoed: the profile the request ran with
             outcome = self._router.admit(request, strategy)
         except RequestError as err:
             # A request for a served model counts as traffic even when refused (no ready pod,
@@ -509,6 +528,8 @@ class RoutingProcessor:
                 _header(PROMPT_TOKENS_HEADER, str(decision.request.prompt_tokens)),
             ]
         )
+        if self._profile is not None:
+            mutation.set_headers.append(_header(PROFILE_ECHO_HEADER, self._profile))
         metadata = struct_pb2.Struct()
         metadata.fields[LB_METADATA_NAMESPACE].struct_value.fields[
             DESTINATION_HEADER
@@ -536,6 +557,7 @@ class RoutingProcessor:
                 _header("routing-strategy", decision.strategy),
                 _header(TARGET_POD_HEADER, pod.name),
                 _header("target-pod-ip", pod.endpoint),
+                *([_header(PROFILE_ECHO_HEADER, self._profile)] if self._profile else []),
             ]
         )
         return pb.ProcessingResponse(

@@ -36,8 +36,9 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
-from plugin.adapters.discovery import PodsCallback
+from plugin.adapters.discovery import PodsCallback, model_config_from
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL
+from plugin.core.config_profile import CONFIG_ANNOTATION
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
@@ -141,6 +142,7 @@ def pod_from_object(
     port = _port(setting(PORT_KEY), PORT_KEY, DEFAULT_PORT)
     metrics_port = _port(setting(METRIC_PORT_KEY), METRIC_PORT_KEY, port)
     terminating = metadata.get("deletionTimestamp") is not None
+    config = annotations.get(CONFIG_ANNOTATION)
     return Pod(
         name=str(metadata["name"]),
         namespace=str(metadata["namespace"]),
@@ -152,6 +154,7 @@ def pod_from_object(
         ready=not terminating and _is_ready(status),
         labels=labels,
         deployment=labels.get(deployment_label) or None,
+        model_config=model_config_from(config) if config else None,
     )
 
 

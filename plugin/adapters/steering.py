@@ -15,3 +15,7 @@ REPLY_METADATA_NAMESPACE = "hetero_gateway"
 # routing filter asks for no response phase: the plugin ends the routing stream at the pick and
 # the counting stream holds the request's in-flight lease (plugin.adapters.extproc).
 PICK_ONLY = ("x-hetero-gateway-routing", "pick-only")
+# AIBrix's model config profile: the request names one (`config-profile`, or `auto`); the response
+# reports the one it ran with (the plugin sets it on the request, Envoy's route copies it back).
+CONFIG_PROFILE_HEADER = "config-profile"
+PROFILE_ECHO_HEADER = "x-aibrix-config-profile"

@@ -22,13 +22,16 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.profile import GpuProfile, ProfileBook
 from plugin.core.types import Candidate, EngineMetrics, Pod
 from plugin.core.view import CandidateView
 from plugin.errors import NoReadyPod, UnknownModel
+
+if TYPE_CHECKING:  # the config module imports the strategies, which import this floor's types
+    from plugin.core.config_profile import ModelConfig
 
 __all__ = ["Lease", "PodPool"]
 
@@ -75,6 +78,7 @@ class _Model:
     dirty: bool = True  # the routable set (readiness, ejections) must be recomputed
     next_heal: float = math.inf  # the earliest end of an ejection among the model's pods
     stale: list[tuple[float, int]] = field(default_factory=list)  # heap: (fresh until, order)
+    config: ModelConfig | None = None  # the first pod's `model.aibrix.ai/config`, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +219,8 @@ class PodPool:
             if candidate is None or (candidate.pod is not pod and candidate.pod != pod):
                 candidate = self._new_candidate(pod)
             slots.append(candidate)
-        return _Model(CandidateView(model, slots), pods, any(p.ready for p in pods))
+        config = next((p.model_config for p in pods if p.model_config is not None), None)
+        return _Model(CandidateView(model, slots), pods, any(p.ready for p in pods), config=config)
 
     def _new_candidate(self, pod: Pod) -> Candidate:
         key = pod.key
@@ -255,6 +260,11 @@ class PodPool:
 
     def pods(self) -> list[Pod]:
         return list(self._pods.values())
+
+    def model_config(self, model: str) -> ModelConfig | None:
+        """The model's config profiles (from its first pod that carries one), if any."""
+        state = self._models.get(model)
+        return None if state is None else state.config
 
     def models(self) -> list[str]:
         return sorted(self._models)
@@ -607,6 +617,10 @@ class PodPool:
                 "ready": pod.ready,
                 "labels": dict(pod.labels),
                 "deployment": pod.deployment,
+                # The model config profiles the pod carries (`model.aibrix.ai/config`).
+                "config_profiles": None
+                if pod.model_config is None
+                else sorted(pod.model_config.profiles),
                 "inflight": self.inflight(key),
                 "inflight_remote": self.remote_inflight(key),
                 "load": round(self.load(key), 6),

@@ -23,10 +23,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plugin.core.config_profile import ConfigProfile
 from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
 from plugin.core.strategies.base import Admission
 from plugin.core.strategies.gate import Gated, ImbalanceGate
+from plugin.core.strategies.load_balance import LoadBalance
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import (
     NoMatchingPod,
@@ -220,17 +222,52 @@ def _any_profiled(strategy: Strategy, candidates: Sequence[Candidate]) -> bool:
     return any(c.profile is not None for c in candidates)
 
 
+class _Table:
+    """Strategies with the settings they route with (the gateway's, or a config profile's),
+    and the resolution of `routing-strategy` strings against them, cached."""
+
+    __slots__ = ("auto_blend", "gate", "resolved", "strategies")
+
+    def __init__(
+        self,
+        strategies: Mapping[str, Strategy],
+        auto_blend: blend.AutoBlend | None,
+        gate: ImbalanceGate | None,
+    ) -> None:
+        self.strategies = strategies
+        self.auto_blend = auto_blend
+        self.gate = gate
+        self.resolved: dict[str, Strategy] = {}
+
+    def resolve(self, text: str) -> Strategy:
+        """`text`'s strategy (`blend.resolve`), behind the imbalance gate unless it is an SLO
+        one (those keep their own pod choice, as AIBrix exempts them), under the name the
+        client sent (it sees its own string, whatever routes); 400 for a bad string."""
+        found = self.resolved.get(text)
+        if found is None:
+            found = blend.resolve(text, self.strategies, self.auto_blend)
+            if self.gate is not None and not getattr(found, "needs_profiles", False):
+                found = Gated(found, self.gate)
+            if found.name != text:
+                found = Named(found, text)
+            if len(self.resolved) >= _RESOLVED_CACHE:
+                self.resolved.clear()  # clients sending endless variants pay a parse each
+            self.resolved[text] = found
+        return found
+
+
 class Router:
     """Chooses a pod for a request with the named (or default) strategy."""
 
     __slots__ = (
-        "_auto_blend",
         "_clock",
         "_default",
         "_default_strategy",
-        "_resolved",
+        "_profile_gates",
+        "_profiles",
         "_rng",
         "_strategies",
+        "_table",
         "_waiting",
         "_waking",
         "gate",
@@ -255,15 +292,15 @@ class Router:
     ) -> None:
         self.pool = pool
         self._strategies = dict(strategies)
-        self._auto_blend = auto_blend
-        self._resolved: dict[str, Strategy] = {}
+        self.gate = gate
+        self._table = _Table(self._strategies, auto_blend, gate)
         try:
-            default = blend.resolve(default_strategy, self._strategies, auto_blend)
+            self._default_strategy = self._table.resolve(default_strategy)
         except UnknownStrategy as exc:
             raise ValueError(f"unknown default strategy {default_strategy}: {exc}") from None
-        self.gate = gate
+        self._profiles: dict[int, tuple[ConfigProfile, _Table]] = {}
+        self._profile_gates: list[ImbalanceGate] = []  # gates with a profile's settings
         self._default = default_strategy
-        self._default_strategy = self._gated(default, default_strategy)
         self._rng = rng
         self._clock = clock
         self._waiting: dict[str, list[Waiter]] = {}  # model -> waiters in arrival order
@@ -278,14 +315,6 @@ class Router:
 
     def now(self) -> float:
         return self._clock()
-
-    def _gated(self, strategy: Strategy, asked: str) -> Strategy:
-        """The strategy behind the imbalance gate (not an SLO one: those keep their own pod
-        choice, as AIBrix exempts them), under the name the client asked for (the client sees
-        its own string, whatever routes)."""
-        if self.gate is not None and not getattr(strategy, "needs_profiles", False):
-            strategy = Gated(strategy, self.gate)
-        return strategy if strategy.name == asked else Named(strategy, asked)
 
     def pods_removed(self, keys: Sequence[str]) -> None:
         """Pods left discovery: strategies that remember pods (prefix-cache) forget them, so a
@@ -304,8 +333,13 @@ class Router:
         return {m: (s.requests, s.prompt_blocks, s.matched_blocks) for m, s in stats.items()}
 
     def imbalance_fired(self) -> dict[str, int]:
-        """Requests the imbalance gate routed itself, per model (none without a gate)."""
-        return dict(self.gate.fired) if self.gate is not None else {}
+        """Requests the imbalance gates routed themselves, per model (none without a gate)."""
+        fired: dict[str, int] = {}
+        for gate in [self.gate, *self._profile_gates]:
+            if gate is not None:
+                for model, count in gate.fired.items():
+                    fired[model] = fired.get(model, 0) + count
+        return fired
 
     def fallback(self, decision: Decision) -> Pod | None:
         """Another pod the request may go to (routable, and matching its `external-filter`), for
@@ -345,13 +379,52 @@ class Router:
         text = header.strip() if header else ""
         if not text:
             return self._default_strategy
-        found = self._resolved.get(text)
-        if found is None:
-            found = self._gated(blend.resolve(text, self._strategies, self._auto_blend), text)
-            if len(self._resolved) >= _RESOLVED_CACHE:
-                self._resolved.clear()  # clients sending endless variants pay a parse each
-            self._resolved[text] = found
-        return found
+        return self._table.resolve(text)
+
+    def select(
+        self, request: RequestInfo, header: str | None, config_profile: str | None = None
+    ) -> tuple[Strategy, ConfigProfile | None]:
+        """The strategy for a parsed request and the model config profile it runs with
+        (`plugin.core.config_profile`): the `routing-strategy` header first, then the
+        profile's `routingStrategy`, then the default; the profile's load-balance, gate and
+        auto-blend settings apply to whichever routes. Without a config on the model's pods
+        this is `strategy_for(header)`."""
+        config = self.pool.model_config(request.model)
+        if config is None:
+            return self.strategy_for(header), None
+        profile = config.select(config_profile, request.prompt_tokens, request.max_tokens)
+        if profile is None:
+            return self.strategy_for(header), None
+        text = header.strip() if header else ""
+        if not profile.overrides_routing:
+            if not text and not profile.routing_strategy:
+                return self._default_strategy, profile
+            return self._table.resolve(text or profile.routing_strategy or self._default), profile
+        text = text or profile.routing_strategy or self._default
+        return self._profile_table(profile).resolve(text), profile
+
+    def _profile_table(self, profile: ConfigProfile) -> _Table:
+        """Strategies, gate and auto-blend with the profile's settings (cached per profile
+        object; discovery makes new objects when a config changes)."""
+        found = self._profiles.get(id(profile))
+        if found is not None and found[0] is profile:
+            return found[1]
+        if len(self._profiles) >= _RESOLVED_CACHE:
+            self._profiles.clear()
+        base = self._table
+        strategies = dict(base.strategies)
+        balance = strategies.get("load-balance")
+        if profile.load_balance and isinstance(balance, LoadBalance):
+            strategies["load-balance"] = LoadBalance(profile.load_balance_settings(balance.params))
+        base_gate = base.gate.settings if base.gate is not None else None
+        gate_settings = profile.imbalance_settings(base_gate)
+        gate = base.gate
+        if gate_settings is not None and gate_settings != base_gate:
+            gate = ImbalanceGate(gate_settings)
+            self._profile_gates.append(gate)
+        table = _Table(strategies, profile.auto_blend_settings(base.auto_blend), gate)
+        self._profiles[id(profile)] = (profile, table)
+        return table
 
     def admit(self, request: RequestInfo, strategy: Strategy) -> Decision | Waiter:
         """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error.

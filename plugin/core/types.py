@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plugin.core.profile import GpuProfile
 from plugin.core.selector import LabelSelector
+
+if TYPE_CHECKING:  # config_profile imports the strategies, which import these types
+    from plugin.core.config_profile import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,9 @@ class Pod:
     # The deployment (GPU type) the pod belongs to, from the label discovery is configured to
     # read (AIBRIX_POD_DEPLOYMENT_LABEL): what maps a pod to its GPU profile. None: unlabelled.
     deployment: str | None = None
+    # AIBrix's `model.aibrix.ai/config` (annotation, or `config` in the pods file), parsed by
+    # discovery; None without one (`plugin.core.config_profile`).
+    model_config: ModelConfig | None = field(default=None, repr=False)
     key: str = field(init=False, repr=False, compare=False)
     # IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`.
     endpoint: str = field(init=False, repr=False, compare=False)

@@ -1,0 +1,283 @@
+"""Model config profiles (AIBrix's `model.aibrix.ai/config` pod annotation): named sets of
+routing options per model, chosen per request by the `config-profile` header.
+
+The document, as AIBrix reads it (`pkg/plugins/gateway/configprofiles`; its design doc
+`docs/source/designs/model-config-profiles.rst`)::
+
+    {"defaultProfile": "default",
+     "profiles": {
+        "default": {"routingStrategy": "load-balance"},
+        "long-input": {"routingStrategy": "least-request",
+                       "routingConfig": {"promptTokensGte": 8192,
+                                         "loadBalance": {"kvPressureAlpha": 0},
+                                         "autoBlend": {"loadBalanceWeight": 2}}}}}
+
+- `routingStrategy`: a strategy name or weighted list, used when the request has no
+  `routing-strategy` header (the header wins; then the profile; then `ROUTING_ALGORITHM`).
+- `routingConfig.loadBalance`: `queuedWeight`, `kvPressureAlpha`, `kvCriticalFree` (the
+  load-balance score) and `imbalanceFactor`, `imbalanceMinGap` (the imbalance gate), each
+  overriding its `AIBRIX_LOAD_BALANCE_*` variable for requests of this profile.
+- `routingConfig.autoBlend`: `loadBalanceWeight`, `leastRequestWeight`, `prefixCacheWeight`,
+  `prefixCacheLoadBalanceWeight`, overriding the `AIBRIX_ROUTING_AUTO_BLEND_*` variables.
+- `routingConfig.promptTokensGte` / `promptTokensLt` / `maxTokensGte` / `maxTokensLt`: the
+  ranges `config-profile: auto` selects by.
+
+Selection (`ModelConfig.select`): a named profile if it exists, else `defaultProfile`, else
+`default`. `auto` (any case) takes the profile whose range hints all hold for the request (a
+hint on a size the request does not state never holds), the most hints first, then the bounds
+closest to the request's sizes; with none, the default profile. (AIBrix's tests fix these
+choices; the closest-bound rule is this gateway's reading of them.) Other
+fields (AIBrix's `pd`, `vtc`, `preble`, prompt buckets) are accepted and ignored.
+
+A value of the wrong type or out of range is reported in `problems` and ignored; the rest of
+the document applies. A document that is not a JSON object with at least one profile yields
+no config (also reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from plugin.core.strategies.blend import MAX_WEIGHT, AutoBlend, parse_blend
+from plugin.core.strategies.gate import ImbalanceSettings
+from plugin.core.strategies.load_balance import LoadBalanceSettings
+from plugin.errors import RequestError
+
+__all__ = [
+    "AUTO",
+    "CONFIG_ANNOTATION",
+    "ConfigProfile",
+    "ModelConfig",
+    "parse_model_config",
+]
+
+CONFIG_ANNOTATION = "model.aibrix.ai/config"
+AUTO = "auto"
+DEFAULT_PROFILE = "default"
+_HINTS = ("promptTokensGte", "promptTokensLt", "maxTokensGte", "maxTokensLt")
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProfile:
+    """One named profile; None fields leave the gateway's own setting."""
+
+    name: str
+    routing_strategy: str | None = None
+    hints: Mapping[str, int] = field(default_factory=dict)  # promptTokensGte, ... (auto)
+    load_balance: Mapping[str, float] = field(default_factory=dict)  # LoadBalanceSettings fields
+    imbalance: Mapping[str, float] = field(default_factory=dict)  # ImbalanceSettings fields
+    auto_blend: Mapping[str, int] = field(default_factory=dict)  # AutoBlend fields
+
+    @property
+    def overrides_routing(self) -> bool:
+        """Whether requests of this profile route with other settings than the gateway's."""
+        return bool(self.load_balance or self.imbalance or self.auto_blend)
+
+    def load_balance_settings(self, base: LoadBalanceSettings) -> LoadBalanceSettings:
+        lb = self.load_balance
+        if not lb:
+            return base
+        return LoadBalanceSettings(
+            queued_weight=lb.get("queued_weight", base.queued_weight),
+            kv_pressure_alpha=lb.get("kv_pressure_alpha", base.kv_pressure_alpha),
+            kv_critical_free=lb.get("kv_critical_free", base.kv_critical_free),
+            avoid_full_batches=base.avoid_full_batches,
+        )
+
+    def imbalance_settings(self, base: ImbalanceSettings | None) -> ImbalanceSettings | None:
+        """The gate's settings for this profile (a gate that is off stays off)."""
+        if base is None or not self.imbalance:
+            return base
+        return ImbalanceSettings(
+            min_gap=self.imbalance.get("min_gap", base.min_gap),
+            factor=self.imbalance.get("factor", base.factor),
+            capacity_aware=base.capacity_aware,
+        )
+
+    def auto_blend_settings(self, base: AutoBlend | None) -> AutoBlend | None:
+        if base is None or not self.auto_blend:
+            return base
+        return dataclasses.replace(base, **self.auto_blend)
+
+    def matches(self, prompt_tokens: int | None, max_tokens: int | None) -> bool:
+        """Whether every range hint holds (a hint on an unknown size does not)."""
+        for hint, bound in self.hints.items():
+            value = prompt_tokens if hint.startswith("prompt") else max_tokens
+            if value is None:
+                return False
+            if hint.endswith("Gte") and not value >= bound:
+                return False
+            if hint.endswith("Lt") and not value < bound:
+                return False
+        return True
+
+    def fit(self, prompt_tokens: int, max_tokens: int | None) -> tuple[float, ...]:
+        """How well a matching profile fits, larger first: more hints, then bounds closer to
+        the request's sizes (of `promptTokensLt` 512 and 2048, 100 prompt tokens take 512)."""
+        distance = 0.0
+        for hint, bound in self.hints.items():
+            value = prompt_tokens if hint.startswith("prompt") else max_tokens
+            distance += abs((value or 0) - bound)
+        return (len(self.hints), -distance)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    default_profile: str
+    profiles: Mapping[str, ConfigProfile]
+
+    def fallback(self) -> ConfigProfile | None:
+        return self.profiles.get(self.default_profile) or self.profiles.get(DEFAULT_PROFILE)
+
+    def select(
+        self, header: str | None, prompt_tokens: int | None, max_tokens: int | None
+    ) -> ConfigProfile | None:
+        """The profile a request runs with (module doc); None when no default exists."""
+        name = (header or "").strip()
+        if name.lower() == AUTO:
+            fitting = [
+                p
+                for p in self.profiles.values()
+                if p.hints and p.matches(prompt_tokens, max_tokens)
+            ]
+            if fitting:
+                return max(fitting, key=lambda p: (p.fit(prompt_tokens or 0, max_tokens), p.name))
+            return self.fallback()
+        if name and name in self.profiles:
+            return self.profiles[name]
+        return self.fallback()
+
+
+def _number(value: Any, where: str, problems: list[str], lo: float, hi: float) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not (lo <= value <= hi) or (isinstance(value, float) and math.isnan(value)):
+        problems.append(f"{where}: {value!r} is not a number in [{lo:g}, {hi:g}]; ignored")
+        return None
+    return float(value)
+
+
+def _integer(value: Any, where: str, problems: list[str], lo: int, hi: int) -> int | None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        problems.append(f"{where}: {value!r} is not an integer in [{lo}, {hi}]; ignored")
+        return None
+    return value
+
+
+# routingConfig.loadBalance: JSON name -> (settings object, field, bounds)
+_LOAD_BALANCE = {
+    "queuedWeight": ("load_balance", "queued_weight", 0.0, 1e6),
+    "kvPressureAlpha": ("load_balance", "kv_pressure_alpha", 0.0, 1e6),
+    "kvCriticalFree": ("load_balance", "kv_critical_free", 0.0, 1.0),
+    "imbalanceFactor": ("imbalance", "factor", 0.0, 1e6),
+    "imbalanceMinGap": ("imbalance", "min_gap", 0.0, 1e9),
+}
+_AUTO_BLEND = {
+    "loadBalanceWeight": "load_balance_weight",
+    "leastRequestWeight": "least_request_weight",
+    "prefixCacheWeight": "prefix_cache_weight",
+    "prefixCacheLoadBalanceWeight": "prefix_cache_load_balance_weight",
+}
+
+
+def _profile(name: str, doc: Any, problems: list[str]) -> ConfigProfile | None:
+    where = f"profiles.{name}"
+    if not isinstance(doc, dict):
+        problems.append(f"{where}: not an object; profile ignored")
+        return None
+    strategy = doc.get("routingStrategy")
+    if strategy is not None:
+        try:
+            if not isinstance(strategy, str):
+                raise TypeError
+            parse_blend(strategy)
+        except (TypeError, RequestError):
+            problems.append(
+                f"{where}.routingStrategy: {str(strategy)[:80]!r} is not a strategy list; ignored"
+            )
+            strategy = None
+    config = doc.get("routingConfig")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        problems.append(f"{where}.routingConfig: not an object; ignored")
+        config = {}
+    hints: dict[str, int] = {}
+    for hint in _HINTS:
+        if hint in config:
+            got = _integer(config[hint], f"{where}.routingConfig.{hint}", problems, 0, 2**31 - 1)
+            if got is not None:
+                hints[hint] = got
+    overrides: dict[str, dict[str, float]] = {"load_balance": {}, "imbalance": {}}
+    load_balance = config.get("loadBalance", {})
+    if not isinstance(load_balance, dict):
+        problems.append(f"{where}.routingConfig.loadBalance: not an object; ignored")
+        load_balance = {}
+    for key, (target, attr, lo, hi) in _LOAD_BALANCE.items():
+        if key in load_balance:
+            number = _number(
+                load_balance[key], f"{where}.routingConfig.loadBalance.{key}", problems, lo, hi
+            )
+            if number is not None:
+                overrides[target][attr] = number
+    auto_blend_doc = config.get("autoBlend", {})
+    if not isinstance(auto_blend_doc, dict):
+        problems.append(f"{where}.routingConfig.autoBlend: not an object; ignored")
+        auto_blend_doc = {}
+    auto_blend: dict[str, int] = {}
+    for key, attr in _AUTO_BLEND.items():
+        if key in auto_blend_doc:
+            low = -MAX_WEIGHT if key == "loadBalanceWeight" else 0  # <= 0 turns auto-blend off
+            got_int = _integer(
+                auto_blend_doc[key],
+                f"{where}.routingConfig.autoBlend.{key}",
+                problems,
+                low,
+                MAX_WEIGHT,
+            )
+            if got_int is not None:
+                auto_blend[attr] = got_int
+    return ConfigProfile(
+        name,
+        strategy,
+        hints,
+        overrides["load_balance"],
+        overrides["imbalance"],
+        auto_blend,
+    )
+
+
+def parse_model_config(
+    raw: str | bytes | Mapping[str, Any],
+) -> tuple[ModelConfig | None, list[str]]:
+    """The config a pod carries, and what in it was ignored and why (for the log)."""
+    problems: list[str] = []
+    if isinstance(raw, str | bytes):
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            return None, [f"not JSON ({exc}); config ignored"]
+    else:
+        doc = raw
+    if not isinstance(doc, dict):
+        return None, ["not a JSON object; config ignored"]
+    profiles_doc = doc.get("profiles")
+    if not isinstance(profiles_doc, dict) or not profiles_doc:
+        return None, ["no profiles; config ignored"]
+    profiles = {
+        str(name): profile
+        for name, body in profiles_doc.items()
+        if (profile := _profile(str(name), body, problems)) is not None
+    }
+    if not profiles:
+        return None, [*problems, "no usable profile; config ignored"]
+    default = doc.get("defaultProfile", DEFAULT_PROFILE)
+    if not isinstance(default, str) or not default:
+        problems.append(f"defaultProfile: {default!r} is not a name; {DEFAULT_PROFILE!r} used")
+        default = DEFAULT_PROFILE
+    return ModelConfig(default, profiles), problems
