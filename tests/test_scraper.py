@@ -154,6 +154,15 @@ def test_parse_engine_metrics(text: str, expected: EngineMetrics) -> None:
     assert parse_engine_metrics(text) == expected
 
 
+def test_cpu_kv_usage_is_read_where_vllm_exports_it() -> None:
+    text = (
+        "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.4\n"
+        "# TYPE vllm:cpu_cache_usage_perc gauge\nvllm:cpu_cache_usage_perc 0.25\n"
+    )
+    metrics = parse_engine_metrics(text)
+    assert (metrics.kv_usage, metrics.cpu_kv_usage) == (0.4, 0.25)
+
+
 def test_kv_usage_of_two_engines_stays_a_fraction() -> None:
     text = (
         '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.6\n'

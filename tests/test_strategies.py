@@ -158,6 +158,16 @@ def test_ties_prefer_least_kv_then_random() -> None:
     assert min(picks.values()) > 50
 
 
+def test_ties_count_cpu_kv_usage_where_the_engine_exports_it() -> None:
+    """AIBrix's tie-break is GPU + CPU KV usage: b has less on the GPU but more offloaded."""
+    a, b = cand("a", 0, kv_usage=0.3), cand("b", 0, kv_usage=0.2)
+    b.cpu_kv_usage = 0.5
+    for seed in range(20):
+        assert lb().pick([a, b], REQ, random.Random(seed)).pod.name == "a"
+    b.cpu_kv_usage = float("nan")  # an unusable value counts as unused
+    assert lb().pick([a, b], REQ, random.Random(0)).pod.name == "b"
+
+
 def test_least_request_picks_fewest_in_flight_and_breaks_ties_randomly() -> None:
     strategy = pickers()["least-request"]
     cands = [cand("a", 3), cand("b", 1), cand("c", 1)]

@@ -60,6 +60,7 @@ def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Can
                 scraped[0].kv_usage if fresh and scraped else None,
                 pool.capacity(p.key),
                 pool.saturation(p.key),
+                cpu_kv_usage=scraped[0].cpu_kv_usage if fresh and scraped else None,
             )
         )
     return out
@@ -67,7 +68,15 @@ def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Can
 
 def fields(c: Candidate) -> tuple[object, ...]:
     # repr: NaN equals itself, and 0.0 vs -0.0 would show
-    return (c.pod.key, c.running, repr(c.waiting), repr(c.kv_usage), c.capacity, c.saturation)
+    return (
+        c.pod.key,
+        c.running,
+        repr(c.waiting),
+        repr(c.kv_usage),
+        repr(c.cpu_kv_usage),
+        c.capacity,
+        c.saturation,
+    )
 
 
 def check(pool: PodPool, pods: list[Pod], now: float, seed: int) -> None:
@@ -116,9 +125,10 @@ def test_view_and_indexes_match_the_plain_pass(seed: int, n: int) -> None:
             lease.release(rng.choice((0, 50, 400)), status, now)
         elif roll < 0.65:
             running = float(rng.randint(0, 4))
-            pool.update_metrics(
-                target.key, EngineMetrics(running, rng.choice(WAITING), rng.choice(KV)), now
+            metrics = EngineMetrics(
+                running, rng.choice(WAITING), rng.choice(KV), rng.choice((None, 0.0, 0.3, 0.3))
             )
+            pool.update_metrics(target.key, metrics, now)
         elif roll < 0.72:
             pool.credit_tokens(target.key, rng.choice((100, 100, 700)))
             pool.refresh_capacity(now)

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
-_WANTED = frozenset(_RUNNING + _WAITING + _KV)
+_CPU_KV = ("vllm:cpu_cache_usage_perc",)  # vLLM with KV offloading to CPU
+_WANTED = frozenset(_RUNNING + _WAITING + _KV + _CPU_KV)
 # A real vLLM page is hundreds of lines (histograms per model); parsing all of it in pure Python
 # on the event loop that answers Envoy costs tens of ms per pod. Only the wanted lines are parsed.
 _WANTED_PREFIXES = tuple(sorted(_WANTED))
@@ -80,7 +81,10 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         return None
 
     return EngineMetrics(
-        running=first(_RUNNING), waiting=first(_WAITING), kv_usage=first(_KV, mean=True)
+        running=first(_RUNNING),
+        waiting=first(_WAITING),
+        kv_usage=first(_KV, mean=True),
+        cpu_kv_usage=first(_CPU_KV, mean=True),
     )
 
 

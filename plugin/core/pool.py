@@ -305,9 +305,10 @@ class PodPool:
             if scraped is not None and now <= scraped.fresh_until:
                 candidate.waiting = scraped.metrics.waiting
                 candidate.kv_usage = scraped.metrics.kv_usage
+                candidate.cpu_kv_usage = scraped.metrics.cpu_kv_usage
                 state.stale.append((scraped.fresh_until, order))
             else:
-                candidate.waiting = candidate.kv_usage = None
+                candidate.waiting = candidate.kv_usage = candidate.cpu_kv_usage = None
         heapq.heapify(state.stale)
         ready = [o for o, pod in enumerate(state.pods) if pod.ready]
         # Out of rotation: pods whose engine fails requests (5xx), and pods whose engine does
@@ -331,8 +332,12 @@ class PodPool:
         scraped = self._metrics.get(candidate.pod.key)
         if scraped is not None and now <= scraped.fresh_until:
             return  # a later scrape pushed its own entry
-        if candidate.waiting is not None or candidate.kv_usage is not None:
-            candidate.waiting = candidate.kv_usage = None
+        if (
+            candidate.waiting is not None
+            or candidate.kv_usage is not None
+            or candidate.cpu_kv_usage is not None
+        ):
+            candidate.waiting = candidate.kv_usage = candidate.cpu_kv_usage = None
             state.view.changed(order)
 
     def _inflight_changed(self, key: str) -> None:
@@ -457,12 +462,13 @@ class PodPool:
             return  # the next request recomputes the whole view
         if state.now <= scraped.fresh_until:
             candidate.waiting, candidate.kv_usage = metrics.waiting, metrics.kv_usage
+            candidate.cpu_kv_usage = metrics.cpu_kv_usage
             stale = state.stale
             heapq.heappush(stale, (scraped.fresh_until, order))
             if len(stale) > 2 * len(state.view.slots) + 64:  # a model nobody asks for lately
                 state.dirty = True
         else:
-            candidate.waiting = candidate.kv_usage = None
+            candidate.waiting = candidate.kv_usage = candidate.cpu_kv_usage = None
         state.view.changed(order)
 
     def _learn_saturation(

@@ -53,6 +53,7 @@ class EngineMetrics:
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None  # 0..1
+    cpu_kv_usage: float | None = None  # 0..1, KV blocks offloaded to CPU (vLLM), where exported
 
 
 @dataclass(slots=True)
@@ -72,6 +73,9 @@ class Candidate:
     load: float = 0.0
     # The GPU profile of the pod's deployment, None without one (`plugin.core.profile`).
     profile: GpuProfile | None = None
+    # CPU KV-cache usage 0..1 where the engine exports it (vLLM's `vllm:cpu_cache_usage_perc`);
+    # load-balance breaks ties by GPU + CPU usage, as AIBrix does. None when unknown or stale.
+    cpu_kv_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,14 @@ def kv_free(kv_usage: float | None) -> float:
     return 1.0 - min(1.0, max(0.0, kv_usage))
 
 
+def tie_usage(candidate: Candidate) -> float:
+    """The tie-break among equal scores, lower first: GPU + CPU KV usage (AIBrix's rule; the
+    CPU part only where the engine exports it). A missing or NaN value counts as unused."""
+    cpu = candidate.cpu_kv_usage
+    cpu_used = 0.0 if cpu is None or math.isnan(cpu) else min(1.0, max(0.0, cpu))
+    return 1.0 - kv_free(candidate.kv_usage) + cpu_used
+
+
 def score(candidate: Candidate, params: LoadBalanceSettings, default_capacity: float) -> float:
     """One candidate's score; `default_capacity` stands in for a missing estimate."""
     free = kv_free(candidate.kv_usage)
@@ -95,11 +103,12 @@ def with_room(
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _ByScore:
-    """Index key for `load-balance`: (below the KV guardrail, score, -kvFree), lowest first.
+    """Index key for `load-balance`: (below the KV guardrail, score, GPU + CPU KV usage),
+    lowest first.
 
     Its smallest keys are exactly the candidates the pass over all of them picks among: the
     guardrail flag only sorts the +Inf scores of replicas below the guardrail after the +Inf
-    of overflowing ones, which the pass ranks the same way by free KV.
+    of overflowing ones, which the pass ranks the same way by KV usage.
     """
 
     params: LoadBalanceSettings
@@ -108,7 +117,7 @@ class _ByScore:
     def key(self, candidate: Candidate) -> tuple[float, ...]:
         free = kv_free(candidate.kv_usage)
         guard = 1.0 if free < self.params.kv_critical_free else 0.0
-        return (guard, score(candidate, self.params, 1.0), -free)
+        return (guard, score(candidate, self.params, 1.0), tie_usage(candidate))
 
     def member(self, candidate: Candidate) -> bool:
         if not self.room_only:
@@ -166,10 +175,10 @@ class LoadBalance(Picker):
         if self.params.avoid_full_batches:
             candidates = with_room(candidates, self.params.kv_critical_free)
         scores = load_balance_scores(candidates, self.params)
-        frees = [kv_free(c.kv_usage) for c in candidates]
+        usage = [tie_usage(c) for c in candidates]
         if all(math.isinf(s) for s in scores):
-            return random_min(candidates, [(-f,) for f in frees], rng)
-        return random_min(candidates, [(s, -f) for s, f in zip(scores, frees, strict=True)], rng)
+            return random_min(candidates, [(u,) for u in usage], rng)
+        return random_min(candidates, [(s, u) for s, u in zip(scores, usage, strict=True)], rng)
 
     def _pick_indexed(self, view: CandidateView, rng: random.Random) -> Candidate:
         if self.params.avoid_full_batches:
