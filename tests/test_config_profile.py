@@ -278,3 +278,27 @@ def test_a_profile_s_auto_blend_and_gate_settings_apply_and_are_cached() -> None
     assert [(s.name, w) for s, w in blend.members] == [("least-request", 3), ("load-balance", 1)]
     balance = router.select(RequestInfo(MODEL), "load-balance", None)[0]
     assert isinstance(balance, Gated) and isinstance(balance.inner, LoadBalance)
+
+
+def test_a_profile_naming_a_strategy_this_gateway_lacks_routes_by_the_default() -> None:
+    """AIBrix's configs name strategies this gateway does not have (`pd`, `least-latency`):
+    the client sent nothing wrong, so its request routes by the default, not a 400."""
+    doc = {
+        "profiles": {
+            "default": {"routingStrategy": "least-latency"},
+            "tuned": {
+                "routingStrategy": "pd",
+                "routingConfig": {"loadBalance": {"kvPressureAlpha": 0}},
+            },
+        }
+    }
+    router, _, _ = router_with(doc)
+    for name in ("default", "tuned"):
+        strategy, profile = router.select(RequestInfo(MODEL), None, name)
+        assert profile is not None and profile.name == name
+        assert strategy.name == "load-balance"
+        decision = router.admit(RequestInfo(MODEL), strategy)
+        assert isinstance(decision, Decision)
+        decision.lease.release()
+    _, problems = parse_model_config(orjson.dumps(doc))
+    assert any("no least-latency" in p for p in problems) and any("no pd" in p for p in problems)

@@ -44,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from plugin.core.strategies.base import strategy_names
 from plugin.core.strategies.blend import MAX_WEIGHT, AutoBlend, parse_blend
 from plugin.core.strategies.gate import ImbalanceSettings
 from plugin.core.strategies.load_balance import LoadBalanceSettings
@@ -195,7 +196,13 @@ def _profile(name: str, doc: Any, problems: list[str]) -> ConfigProfile | None:
         try:
             if not isinstance(strategy, str):
                 raise TypeError
-            parse_blend(strategy)
+            unknown = [n for n, _ in parse_blend(strategy) if n not in strategy_names()]
+            if unknown:
+                problems.append(
+                    f"{where}.routingStrategy: this gateway has no {', '.join(unknown)[:80]};"
+                    " its requests route by the default strategy"
+                )
+                strategy = None
         except (TypeError, RequestError):
             problems.append(
                 f"{where}.routingStrategy: {str(strategy)[:80]!r} is not a strategy list; ignored"

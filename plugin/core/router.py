@@ -396,12 +396,19 @@ class Router:
         if profile is None:
             return self.strategy_for(header), None
         text = header.strip() if header else ""
-        if not profile.overrides_routing:
-            if not text and not profile.routing_strategy:
-                return self._default_strategy, profile
-            return self._table.resolve(text or profile.routing_strategy or self._default), profile
-        text = text or profile.routing_strategy or self._default
-        return self._profile_table(profile).resolve(text), profile
+        table = self._profile_table(profile) if profile.overrides_routing else self._table
+        if text:
+            return table.resolve(text), profile
+        if profile.routing_strategy:
+            try:
+                return table.resolve(profile.routing_strategy), profile
+            except UnknownStrategy:
+                # A strategy this gateway does not have (AIBrix's `pd`, `least-latency`, ...):
+                # the operator's config, not the client's request, so route by the default.
+                pass
+        if table is self._table:
+            return self._default_strategy, profile
+        return table.resolve(self._default), profile
 
     def _profile_table(self, profile: ConfigProfile) -> _Table:
         """Strategies, gate and auto-blend with the profile's settings (cached per profile
