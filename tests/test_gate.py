@@ -305,11 +305,12 @@ def test_gated_stands_where_the_strategy_stood() -> None:
     assert gated.name == "learner"
     assert isinstance(gated, Scorer) and gated.higher_is_better
     assert gated.scores(fleet([1, 2]), RequestInfo(MODEL)) == [1.0, 2.0]
+    assert gated.routed is not None
     gated.routed(fleet([0])[0], RequestInfo(MODEL))
     assert learner.seen == ["p0"]
     plain = Gated(build_strategies()["random"], gate)  # neither scores nor learns
     assert plain.name == "random"
-    assert not isinstance(plain, Scorer) and not hasattr(plain, "routed")
+    assert not isinstance(plain, Scorer) and plain.routed is None
 
 
 def test_gated_routes_where_the_gate_says_and_counts_per_model() -> None:

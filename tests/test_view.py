@@ -29,7 +29,7 @@ from plugin.core.strategies import (
     build_strategies,
 )
 from plugin.core.types import Candidate, EngineMetrics, Pod, RequestInfo, SloTarget
-from plugin.core.view import CandidateView
+from plugin.core.view import CandidateView, usable_capacity
 
 pytestmark = pytest.mark.unit
 
@@ -84,6 +84,11 @@ def check(pool: PodPool, pods: list[Pod], now: float, seed: int) -> None:
     assert isinstance(view, CandidateView)
     plain = reference_candidates(pool, pods, now)
     assert [fields(c) for c in view] == [fields(c) for c in plain]
+    # The sums the view keeps current, against the plain sums over the same candidates.
+    assert view.running_total == sum(c.running for c in plain)
+    known = [c.capacity for c in plain if c.capacity is not None and usable_capacity(c.capacity)]
+    assert view.known_capacities == len(known)
+    assert view.capacity_total == pytest.approx(sum(known))
     request = RequestInfo(MODEL)
     for lb in SETTINGS:
         fast, slow = build_strategies(lb), build_strategies(lb)

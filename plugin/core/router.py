@@ -198,11 +198,16 @@ class Named:
     """A strategy under the name the client asked for (`least-request:3` routes with
     least-request; a bare `prefix-cache` with its auto-blend): the echo is the client's."""
 
-    __slots__ = ("inner", "name")
+    __slots__ = ("inner", "name", "needs_profiles", "routed")
 
     def __init__(self, inner: Strategy, name: str) -> None:
         self.inner = inner
         self.name = name
+        # Asked on every request: copied once instead of raised through __getattr__ when absent.
+        self.needs_profiles: bool = getattr(inner, "needs_profiles", False)
+        self.routed: Callable[[Candidate, RequestInfo], None] | None = getattr(
+            inner, "routed", None
+        )
 
     def admit(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float

@@ -228,8 +228,11 @@ class CandidateView(Sequence[Candidate]):
         "_indexes",
         "_members",
         "_routable",
+        "_running",
+        "capacity_total",
         "known_capacities",
         "model",
+        "running_total",
         "slots",
     )
 
@@ -240,6 +243,9 @@ class CandidateView(Sequence[Candidate]):
         self._routable: list[bool] = [False] * len(slots)
         self._indexes: dict[IndexSpec | GroupSpec, OrderedIndex | GroupedIndex] = {}
         self.known_capacities = 0  # routable candidates with a usable capacity estimate
+        self.capacity_total = 0.0  # the sum of those estimates (set with known_capacities)
+        self._running = [0] * len(slots)  # each routable candidate's running, as summed
+        self.running_total = 0  # requests in flight over the routable candidates, kept current
 
     # Sequence ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -292,15 +298,24 @@ class CandidateView(Sequence[Candidate]):
         for o in orders:
             routable[o] = True
         self._routable = routable
+        running = [0] * len(self.slots)
+        for o in orders:
+            running[o] = self.slots[o].running
+        self._running = running
+        self.running_total = sum(running)
         self.reindex()
 
     def reindex(self) -> None:
         """Many candidates changed at once (a capacity refresh, a new routable set): rebuild the
         indexes asked for since the last reindex and drop the others, so an index no strategy
         uses any more (a header named it once) stops costing every lease."""
-        self.known_capacities = sum(
-            1 for o in self._members if usable_capacity(self.slots[o].capacity)
-        )
+        known = [
+            capacity
+            for o in self._members
+            if (capacity := self.slots[o].capacity) is not None and usable_capacity(capacity)
+        ]
+        self.known_capacities = len(known)
+        self.capacity_total = sum(known)
         self._indexes = {
             spec: index.rebuilt(self._members)
             for spec, index in self._indexes.items()
@@ -311,8 +326,12 @@ class CandidateView(Sequence[Candidate]):
 
     def changed(self, order: int) -> None:
         """One candidate's fields changed."""
+        routable = self._routable[order]
+        if routable:
+            running = self.slots[order].running
+            self.running_total += running - self._running[order]
+            self._running[order] = running
         if self._indexes:
-            routable = self._routable[order]
             for index in self._indexes.values():
                 index.update(order, routable)
 

@@ -39,12 +39,9 @@ token ceiling) SLO attainment fell to 0.07, against 0.46 with no gate and 0.44 w
 
 Cost on a `CandidateView`: the least loaded pod with room and the busiest pod are ends of one
 grouped index (with room, at the cap; O(log n) per lease to keep, O(1) to read). The running
-total is read, only when the gap and a bound have not already settled the answer, from an index
-grouping pods by running count: O(distinct counts), bounded by per-pod concurrency, not by the
-pool. The mean capacity is summed once per capacity refresh (the view rebuilds its indexes then;
-the index's identity tells). A plain list, or a view mixing pods with and without an estimate,
-takes the plain pass, the rule the indexed path reproduces (`tests/test_gate.py` holds them to
-the same answers).
+total and the capacity sum are the view's own, kept current as it changes (O(1) to read). A
+plain list, or a view mixing pods with and without an estimate, takes the plain pass, the rule
+the indexed path reproduces (`tests/test_gate.py` holds them to the same answers).
 """
 
 from __future__ import annotations
@@ -56,9 +53,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from plugin.core.strategies.base import Admission, Route, Strategy
+from plugin.core.strategies.load_balance import has_room
 from plugin.core.strategies.simple import random_min
 from plugin.core.types import Candidate, RequestInfo
-from plugin.core.view import CandidateView, GroupedIndex, choose_tied, tied_run, usable_capacity
+from plugin.core.view import CandidateView, choose_tied, tied_run, usable_capacity
 
 __all__ = ["Gated", "ImbalanceGate", "ImbalanceSettings"]
 
@@ -88,12 +86,6 @@ class ImbalanceSettings:
 _ROOM, _FULL = 0, 1
 
 
-def _has_room(candidate: Candidate) -> bool:
-    """Below its engine's batch cap as observed (`Candidate.saturation`; unknown: room)."""
-    cap = candidate.saturation
-    return cap is None or candidate.running < cap
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class _ByLoad:
     """Candidates by running per unit of capacity (of 1 without an estimate or when not
@@ -103,26 +95,14 @@ class _ByLoad:
     capacity_aware: bool
 
     def group(self, candidate: Candidate) -> Hashable | None:
-        return _FULL if self.capacity_aware and not _has_room(candidate) else _ROOM
+        return _FULL if self.capacity_aware and not has_room(candidate) else _ROOM
 
     def key(self, candidate: Candidate) -> tuple[float, ...]:
         return (candidate.running / _unit(candidate, self.capacity_aware, 1.0),)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class _ByRunning:
-    """Candidates grouped by running count: the total is a sum over the groups."""
-
-    def group(self, candidate: Candidate) -> Hashable | None:
-        return candidate.running
-
-    def key(self, candidate: Candidate) -> tuple[float, ...]:
-        return ()
-
-
 # Made once and shared by every gate: a view keeps one index per spec object.
 _BY_LOAD = {aware: _ByLoad(aware) for aware in (False, True)}
-_BY_RUNNING = _ByRunning()
 
 
 def _unit(candidate: Candidate, capacity_aware: bool, default: float) -> float:
@@ -140,14 +120,12 @@ class ImbalanceGate:
     routed (AIBrix's `aibrix_load_imbalance_total`), a plain dict for the caller to export.
     """
 
-    __slots__ = ("_by_load", "_scales", "fired", "settings")
+    __slots__ = ("_by_load", "fired", "settings")
 
     def __init__(self, settings: ImbalanceSettings | None = None) -> None:
         self.settings = settings or ImbalanceSettings()
         self.fired: dict[str, int] = {}
         self._by_load = _BY_LOAD[self.settings.capacity_aware]
-        # per model: the load index the mean capacity was summed for, and that mean
-        self._scales: dict[str, tuple[GroupedIndex, float]] = {}
 
     def check(
         self, candidates: Sequence[Candidate], model: str, rng: random.Random
@@ -208,7 +186,7 @@ class ImbalanceGate:
                 scale = sum(known) / len(known)
         units = [_unit(c, aware, scale) for c in candidates]
         keys = [c.running / u for c, u in zip(candidates, units, strict=True)]
-        room = [i for i, c in enumerate(candidates) if not aware or _has_room(c)]
+        room = [i for i, c in enumerate(candidates) if not aware or has_room(c)]
         if not room:
             return None
         top = 0
@@ -241,11 +219,11 @@ class ImbalanceGate:
         least: tuple[float, ...] = min(entries[0][0] for entries in ends)
         most_key, top_order = max(entries[-1] for entries in ends)  # ties: the last in order
         busiest: Candidate = view.slots[top_order]
-        scale = self._scale(view, index)
-
-        def running_total() -> int:
-            groups: dict[Any, Any] = view.grouped_by(_BY_RUNNING).groups  # running -> pods
-            return sum(running * len(members) for running, members in groups.items())
+        scale = (
+            view.capacity_total / view.known_capacities
+            if self.settings.capacity_aware and view.known_capacities
+            else 1.0
+        )
 
         if not self._fires(
             n,
@@ -253,24 +231,10 @@ class ImbalanceGate:
             (target[0], least[0], most_key[0]),
             busiest,
             _unit(busiest, self.settings.capacity_aware, 1.0),
-            running_total,
+            lambda: view.running_total,
         ):
             return None
         return choose_tied([tied_run(room, target)], view.slots, rng)
-
-    def _scale(self, view: CandidateView, index: GroupedIndex) -> float:
-        """The mean capacity of a view whose candidates all have an estimate (1 when none has,
-        or when not capacity-aware), summed once per index build: the view rebuilds its indexes
-        whenever capacities or the routable set change (`CandidateView.reindex`)."""
-        if not self.settings.capacity_aware or view.known_capacities == 0:
-            return 1.0
-        cached = self._scales.get(view.model)
-        if cached is not None and cached[0] is index:
-            return cached[1]
-        known = [_unit(c, True, 0.0) for c in view]
-        scale = sum(known) / len(known)
-        self._scales[view.model] = (index, scale)
-        return scale
 
 
 class Gated:
@@ -283,11 +247,17 @@ class Gated:
     pass through ungated.
     """
 
-    __slots__ = ("gate", "inner")
+    __slots__ = ("gate", "inner", "needs_profiles", "routed")
 
     def __init__(self, inner: Strategy, gate: ImbalanceGate) -> None:
         self.inner = inner
         self.gate = gate
+        # What the router asks on every request, copied once: through __getattr__ a missing
+        # attribute would cost a raised AttributeError per request.
+        self.needs_profiles: bool = getattr(inner, "needs_profiles", False)
+        self.routed: Callable[[Candidate, RequestInfo], None] | None = getattr(
+            inner, "routed", None
+        )
 
     @property
     def name(self) -> str:

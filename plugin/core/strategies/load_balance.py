@@ -19,6 +19,7 @@ from plugin.core.view import CandidateView, usable_capacity
 __all__ = [
     "LoadBalance",
     "LoadBalanceSettings",
+    "has_room",
     "kv_free",
     "load_balance_scores",
     "score",
@@ -86,6 +87,12 @@ def load_balance_scores(
     return [score(c, params, default_capacity) for c in candidates]
 
 
+def has_room(candidate: Candidate) -> bool:
+    """Below its engine's batch cap as observed (`Candidate.saturation`; unknown: room)."""
+    cap = candidate.saturation
+    return cap is None or candidate.running < cap
+
+
 def with_room(
     candidates: Sequence[Candidate], kv_critical_free: float = 0.0
 ) -> Sequence[Candidate]:
@@ -95,7 +102,7 @@ def with_room(
     A request sent to a replica at its batch cap waits in the engine queue, however fast the
     replica is: the time per token the score balances hides that wait, which lands on TTFT.
     """
-    room = [c for c in candidates if c.saturation is None or c.running < c.saturation]
+    room = [c for c in candidates if has_room(c)]
     if not room or all(kv_free(c.kv_usage) < kv_critical_free for c in room):
         return candidates
     return room
@@ -120,10 +127,7 @@ class _ByScore:
         return (guard, score(candidate, self.params, 1.0), tie_usage(candidate))
 
     def member(self, candidate: Candidate) -> bool:
-        if not self.room_only:
-            return True
-        cap = candidate.saturation
-        return cap is None or candidate.running < cap
+        return not self.room_only or has_room(candidate)
 
 
 @register_strategy("load-balance", LoadBalanceSettings)
