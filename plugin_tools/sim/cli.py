@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import time
@@ -175,7 +174,13 @@ def run(args: argparse.Namespace) -> int:
     require_demo_extra("simulate", ("matplotlib", "tqdm"))
     from tqdm import tqdm
 
-    from plugin_tools.sim.report import UTILIZATION, format_markdown, write_json, write_plots
+    from plugin_tools.sim.report import (
+        UTILIZATION,
+        format_markdown,
+        slo_seconds,
+        write_json,
+        write_plots,
+    )
     from plugin_tools.sim.sweep import reads_profiles, study
 
     scenario = build_scenario(args)
@@ -206,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         overrides=args.set,
         workload=args.workload,
         arrivals=args.arrivals,
-        slo={k: v for k, v in dataclasses.asdict(scenario.slo).items() if v is not None},
+        slo=slo_seconds(scenario.slo),
         target=args.target,
         seed=args.seed,
         max_tokens=scenario.lengths.max_output,

@@ -27,7 +27,7 @@ from plugin_tools.docsection import write_section
 from plugin_tools.sim.engine import parse_fleet
 from plugin_tools.sim.fleet import MODEL, simulate
 from plugin_tools.sim.metrics import DEFAULT_SLO, summarize
-from plugin_tools.sim.report import describe_slo
+from plugin_tools.sim.report import describe_slo, slo_seconds
 from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
 from plugin_tools.sim.workload import CHAT, LengthSource
 
@@ -156,7 +156,7 @@ def format_markdown(study: GateStudy) -> str:
     lines = [
         f"Fleet {study.fleet} ({replicas}); `{STRATEGY}` with no gate, behind AIBrix's raw-count "
         "gate and behind the capacity-aware gate (AIBrix's defaults: min gap 8, factor 2). "
-        f"G* = {study.g_star:.2f} req/s; SLO {describe_slo(_slo_seconds(study.slo))}; "
+        f"G* = {study.g_star:.2f} req/s; SLO {describe_slo(slo_seconds(study.slo))}; "
         f"{study.measured_requests} measured requests per run after {study.warmup_s:g} s of "
         f"warm-up, seed {study.seed}.",
         "",
@@ -176,11 +176,6 @@ def format_markdown(study: GateStudy) -> str:
         "gate fired: share of all requests (warm-up included) the gate routed itself.",
     ]
     return "\n".join(lines) + "\n"
-
-
-def _slo_seconds(slo: SloTarget) -> dict[str, float]:
-    named = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s, "tpat_s": slo.tpat_s}
-    return {k: v for k, v in named.items() if v is not None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
@@ -10,7 +11,16 @@ from typing import Any
 
 import orjson
 
-__all__ = ["describe_slo", "format_markdown", "format_slo_routing", "write_json", "write_plots"]
+from plugin.core.types import SloTarget
+
+__all__ = [
+    "describe_slo",
+    "format_markdown",
+    "format_slo_routing",
+    "slo_seconds",
+    "write_json",
+    "write_plots",
+]
 
 UTILIZATION = (
     "a replica's output tokens/s over the measured window / its saturated decode rate"
@@ -31,6 +41,11 @@ def _f(value: Any, digits: int = 2, scale: float = 1.0) -> str:
 
 def _per_replica(values: Mapping[str, float], digits: int = 2, scale: float = 1.0) -> str:
     return " / ".join(_f(v, digits, scale) for v in values.values())
+
+
+def slo_seconds(slo: SloTarget) -> dict[str, float]:
+    """The targets that are set, as the JSON's `slo` records them (`ttft_s`, ... in seconds)."""
+    return {k: v for k, v in dataclasses.asdict(slo).items() if v is not None}
 
 
 def describe_slo(slo: Mapping[str, float]) -> str:
