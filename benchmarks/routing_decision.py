@@ -36,7 +36,8 @@ from plugin.core.pool import PodPool
 from plugin.core.profile import GpuProfile, ProfileBook, parse_profile, profile_key
 from plugin.core.request import parse_request
 from plugin.core.router import Decision, Router
-from plugin.core.strategies import Route, build_strategies
+from plugin.core.strategies import Route, Strategy, build_strategies
+from plugin.core.strategies.gate import Gated, ImbalanceGate, ImbalanceSettings
 from plugin.core.types import EngineMetrics, Pod
 from plugin_tools.docsection import write_section
 from plugin_tools.stats import percentile
@@ -51,6 +52,7 @@ GPU_PROFILES = {
     "a100": "aibrix-profiles/simulator-llama2-7b-a100.json",
     "a40": "aibrix-profiles/simulator-llama2-7b-a40.json",
 }
+GATED = "load-balance + gate"
 PHASES = ("parse", "candidates", "pick", "lease", "release", "total")
 
 BODY = orjson.dumps(
@@ -121,11 +123,18 @@ def build_pool(n: int, rng: random.Random, profiles: dict[str, GpuProfile]) -> P
 def measure(n: int, profiles: dict[str, GpuProfile]) -> dict[str, dict[str, tuple[float, float]]]:
     now = 60.5
     out: dict[str, dict[str, tuple[float, float]]] = {}
-    for name, strategy in sorted(build_strategies().items()):
+    built = build_strategies()
+    # `serve` puts the capacity-aware imbalance gate ahead of load-balance by default.
+    variants: dict[str, Strategy] = {
+        **built,
+        GATED: Gated(built["load-balance"], ImbalanceGate(ImbalanceSettings())),
+    }
+    for name, strategy in sorted(variants.items()):
         # Each strategy on a pool of its own, as a gateway runs one: the same state every time.
         pool = build_pool(n, random.Random(n), profiles)
         pick_rng = random.Random(1)
-        router = Router(pool, build_strategies(), name, random.Random(1), lambda: now)
+        default = name if name in built else "load-balance"
+        router = Router(pool, build_strategies(), default, random.Random(1), lambda: now)
         samples: dict[str, list[float]] = {p: [] for p in PHASES}
         gc.collect()
         for _ in range(DECISIONS[n]):
@@ -207,6 +216,9 @@ def main() -> None:
         "the indexes in use); the SLO strategies read a per-deployment load order the view "
         "maintains (O(deployments x log n): a request fits every pod of a deployment alike); "
         "random, round-robin and power-of-two read O(1) from the view. "
+        f"`{GATED}` is load-balance behind the capacity-aware imbalance gate, as `serve` runs it "
+        "by default: the gate reads the least loaded and the busiest pod from a grouped index "
+        "and the running total the view keeps. "
         "Each strategy runs on a pool of its own, as a gateway that uses it would.\n"
     )
     print(table(results))
