@@ -214,7 +214,9 @@ class Named:
     ) -> Admission:
         return self.inner.admit(candidates, request, rng, now)
 
-    def __getattr__(self, attr: str) -> Any:  # needs_profiles, profiled, routed, ...
+    def __getattr__(self, attr: str) -> Any:  # profiled, scores, ...
+        if attr in Named.__slots__:  # not set yet (copying): no recursion through `inner`
+            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
 
