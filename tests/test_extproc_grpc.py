@@ -726,9 +726,9 @@ async def test_http_metrics_and_readiness(running: Running) -> None:
         (("model", MODEL), ("pod", key)): 1.0,
         (("model", MODEL), ("pod", other)): 0.0,
     }
-    assert _samples(text, "hetero_gateway_output_tokens_total")[
-        (("model", MODEL), ("pod", key))
-    ] == float(COMPLETION_TOKENS)
+    tokens = _samples(text, "hetero_gateway_output_tokens_total")
+    assert tokens[(("model", MODEL), ("pod", key), ("source", "reported"))] == COMPLETION_TOKENS
+    assert tokens[(("model", MODEL), ("pod", key), ("source", "estimated"))] == 0.0
     assert set(_samples(text, "hetero_gateway_inflight_requests").values()) == {0.0}
     assert _samples(text, "hetero_gateway_request_errors_total") == {
         (("reason", "BadRequestBody"), ("status", "400")): 1.0

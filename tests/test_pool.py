@@ -274,3 +274,38 @@ def test_unreachable_pods_come_back_before_failing_ones_when_nothing_else_is_lef
     assert names(pool, 1.0) == {"a", "b"}  # all out: all stay candidates
     fail(pool, a, 3, 1.0)
     assert names(pool, 1.0) == {"b"}  # the 5xx rule still works
+
+
+def _counter(pool: PodPool, p: Pod, total: float | None, now: float) -> None:
+    pool.update_metrics(p.key, EngineMetrics(running=1, waiting=0, generation_tokens=total), now)
+
+
+def test_an_engines_generated_token_counter_teaches_capacity_and_gateway_counts_do_not() -> None:
+    capacity = CapacityEstimator()
+    a = pod("a")
+    pool = PodPool(capacity, 3.0)
+    pool.set_pods([a])
+    pool.acquire(a).release(40, 200, 0.0)  # before the counter is seen: the gateway's count
+    assert capacity.total(a.key) == 40
+    _counter(pool, a, 1000.0, 1.0)  # a baseline: what the engine did before is not credited
+    assert (capacity.total(a.key), pool.token_source(a.key)) == (40, "engine")
+    pool.acquire(a).release(30, 200, 1.5)  # counted for metrics, not for capacity
+    _counter(pool, a, 1100.0, 2.0)
+    assert capacity.total(a.key) == 140
+    assert pool.output_tokens_total(a.key) == 70
+    _counter(pool, a, 25.0, 3.0)  # went backwards: a restarted engine, all of it is new
+    assert capacity.total(a.key) == 165
+    _counter(pool, a, None, 4.0)  # no longer exported: back to the gateway's counts
+    pool.acquire(a).release(5, 200, 4.5)
+    assert (capacity.total(a.key), pool.token_source(a.key)) == (170, "gateway")
+
+
+def test_estimated_tokens_are_kept_apart_from_reported_ones() -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    pool.acquire(a).release(10, 200, 0.0)
+    pool.acquire(a).release(7, 200, 0.0, estimated=True)
+    pool.credit_tokens(a.key, 3, estimated=True)
+    assert (pool.output_tokens_total(a.key), pool.estimated_tokens_total(a.key)) == (20, 10)
+    snapshot = pool.snapshot(0.0)["pods"][a.key]
+    assert (snapshot["output_tokens_estimated"], snapshot["token_source"]) == (10, "gateway")

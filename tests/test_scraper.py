@@ -163,6 +163,35 @@ def test_cpu_kv_usage_is_read_where_vllm_exports_it() -> None:
     assert (metrics.kv_usage, metrics.cpu_kv_usage) == (0.4, 0.25)
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            "# TYPE vllm:generation_tokens counter\n"
+            'vllm:generation_tokens_total{model_name="m"} 1234.0\n'
+            'vllm:generation_tokens_created{model_name="m"} 1.7e9\n',
+            1234.0,
+            id="vllm",
+        ),
+        pytest.param(
+            'sglang:generation_tokens_total{model_name="m",tp="0"} 10.0\n'
+            'sglang:generation_tokens_total{model_name="m",tp="1"} 10.0\n',
+            10.0,
+            id="sglang-tensor-parallel-ranks-count-once",
+        ),
+        pytest.param(
+            'vllm:generation_tokens_total{engine="0"} 5\n'
+            'vllm:generation_tokens_total{engine="1"} 7\n',
+            12.0,
+            id="data-parallel-engines-add-up",
+        ),
+        pytest.param("vllm:num_requests_running 1\n", None, id="not-exported"),
+    ],
+)
+def test_the_engines_generated_token_counter_is_read(text: str, expected: float | None) -> None:
+    assert parse_engine_metrics(text).generation_tokens == expected
+
+
 def test_kv_usage_of_two_engines_stays_a_fraction() -> None:
     text = (
         '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.6\n'

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
-from plugin.core.types import Pod
+from plugin.core.types import EngineMetrics, Pod
 
 pytestmark = pytest.mark.unit
 
@@ -165,3 +165,17 @@ def test_every_token_is_credited_exactly_once_across_mode_switches(
     sync()
     assert {k: estimator.total(k) for k in counted} == counted
     assert {k: pool.output_tokens_total(k) for k in counted} == counted
+
+
+def test_a_pod_whose_engine_counts_its_tokens_is_not_shared_through_the_store() -> None:
+    """Every gateway reads the engine's own counter: adding the gateways' counts on top through
+    the store would credit each token again."""
+    pool, estimator = make()
+    pool.apply_shared_tokens({A.key: 0, B.key: 0})
+    pool.update_metrics(A.key, EngineMetrics(running=1, waiting=0, generation_tokens=500), 0.0)
+    pool.acquire(A).release(9, 200, 0.0)
+    pool.acquire(B).release(4, 200, 0.0)
+    assert pool.take_unpublished_tokens() == {B.key: 4}
+    pool.apply_shared_tokens({A.key: 300, B.key: 4})  # another gateway's count on A: ignored
+    pool.update_metrics(A.key, EngineMetrics(running=1, waiting=0, generation_tokens=560), 1.0)
+    assert (estimator.total(A.key), estimator.total(B.key)) == (60, 4)

@@ -368,13 +368,53 @@ JSON_CASES = [
 ]  # fmt: skip
 
 
+# What a body without usage is estimated at: its text's characters / 4, rounded up per text.
+JSON_ESTIMATES = {"no-usage": 2, "null-usage": 0, "truncated": 0, "array": 0, "error-body": 0}
+
+
 @pytest.mark.parametrize(("body", "expected"), JSON_CASES)
-def test_json_body(body: bytes, expected: Usage | None) -> None:
+def test_json_body(body: bytes, expected: Usage | None, request: pytest.FixtureRequest) -> None:
     scanner = _scan([body])
     assert scanner.sse is False
     assert scanner.usage == expected
     assert scanner.data_events == 0
-    assert scanner.output_tokens() == (expected.completion_tokens if expected else 0)
+    assert scanner.estimated is (expected is None)
+    if expected is not None:
+        assert scanner.output_tokens() == expected.completion_tokens
+    else:
+        case = request.node.callspec.id
+        assert scanner.output_tokens() == JSON_ESTIMATES[case]
+
+
+def _without_usage(body: bytes) -> bytes:
+    doc = orjson.loads(body)
+    del doc["usage"]
+    return orjson.dumps(doc)
+
+
+@pytest.mark.parametrize(
+    ("body", "tokens"),
+    [
+        pytest.param(_without_usage(CHAT_JSON), 2, id="chat-message-content"),
+        pytest.param(_without_usage(COMPLETIONS_JSON), 1, id="completions-text"),
+        pytest.param(_without_usage(RESPONSES_JSON), 1, id="responses-output-text"),
+        pytest.param(
+            orjson.dumps({"choices": [{"text": "x" * 401}, {"text": "y" * 4}, {"text": ""}]}),
+            101 + 1,
+            id="each-choice-rounded-up-empty-ones-nothing",
+        ),
+        pytest.param(
+            orjson.dumps({"choices": [{"message": {"content": None}}, 7, {"message": []}]}),
+            0,
+            id="no-text-anywhere",
+        ),
+    ],
+)
+def test_json_body_without_usage_is_estimated_from_its_text(body: bytes, tokens: int) -> None:
+    scanner = _scan(_split(body, range(0, len(body), 9)))
+    assert scanner.usage is None
+    assert scanner.estimated
+    assert scanner.output_tokens() == tokens
 
 
 @pytest.mark.parametrize(("body", "expected"), JSON_CASES)
@@ -552,7 +592,8 @@ def test_continuous_usage_decodes_only_the_last_line_of_a_chunk(
     ("body", "decodes"),
     [
         pytest.param(CHAT_JSON, 1, id="with-usage"),
-        pytest.param(CHAT_JSON.replace(b'"usage"', b'"nousage"'), 0, id="without-usage"),
+        # Decoded once too: its text is what the output is estimated from.
+        pytest.param(CHAT_JSON.replace(b'"usage"', b'"nousage"'), 1, id="without-usage"),
     ],
 )
 def test_json_body_decoded_at_most_once(

@@ -52,7 +52,12 @@ OVERRIDE_HOST_CLUSTER = "hetero_gateway_override_host"
 # metadata the plugin sets (the Gateway API Inference Extension's protocol) and falls back to
 # round robin when there is no pick, which is what lets fail-open really serve.
 STEERING_MODES = ("original-dst", "override-host")
-COUNT_MODES = ("observe", "streamed")
+COUNT_MODES = ("observe", "streamed", "engine")
+# `engine` count mode: how long Envoy keeps the counting stream open once the response is done.
+# Its default (5 s) would hold each request's in-flight slot 5 s past the response's end; the
+# stream has nothing left to send then (checked on Envoy 1.40: with 20 ms the plugin sees the
+# stream end with the response).
+ENGINE_COUNT_CLOSE_S = 0.02
 COUNT_FILTER = "hetero_gateway.count"
 
 _INT32_MAX = 2**31 - 1
@@ -127,7 +132,10 @@ class EnvoyOptions:
     # observability_mode gets every chunk and Envoy never waits for the plugin on the response
     # path; "streamed": the routing filter itself gets the chunks (response body STREAMED) and
     # Envoy waits for a reply to each (about +0.9 ms per chunk against +0.2 ms:
-    # docs/architecture.md, docs/plugin-cost.md).
+    # docs/architecture.md, docs/plugin-cost.md); "engine": the counting filter gets no body at
+    # all, only the response's status and end (for the in-flight count), and capacity is learned
+    # from each engine's own generated-token counter (vLLM, SGLang), read at every scrape: no
+    # per-token cost in Envoy or the plugin.
     count_mode: str = "observe"
     steering: str = "original-dst"
     # IP:PORT of every engine, for the override-host cluster (it can only pick its members).
@@ -228,7 +236,7 @@ def _circuit_breakers() -> dict[str, Any]:
 def _pick_only(opts: EnvoyOptions, layout: BenchLayout) -> bool:
     """The routing filter only picks (no response phase) when a counting filter follows it:
     its stream then ends at the pick, so a plugin crash cannot cut a streaming response."""
-    return layout.plugin and layout.count and opts.count_mode == "observe"
+    return layout.plugin and layout.count and opts.count_mode in ("observe", "engine")
 
 
 # Response headers AIBrix's gateway returns, added by Envoy's route when the routing filter only
@@ -301,21 +309,24 @@ def _count_filter(opts: EnvoyOptions) -> dict[str, Any]:
     """The counting filter: same plugin, observability_mode, so Envoy sends without waiting.
 
     It runs after the routing filter, so its request headers carry the `target-pod` the plugin
-    set (checked on Envoy 1.40); it asks for no request body and can change nothing.
+    set (checked on Envoy 1.40); it asks for no request body and can change nothing. In the
+    `engine` count mode it asks for no response body either: the stream's end marks the end.
     """
+    engine = opts.count_mode == "engine"
     return {
         "name": COUNT_FILTER,
         "typed_config": {
             "@type": _type_url("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
             "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
             "observability_mode": True,
+            **({"deferred_close_timeout": _duration(ENGINE_COUNT_CLOSE_S)} if engine else {}),
             # Counting is best effort: a plugin outage must not fail the response.
             "failure_mode_allow": True,
             "processing_mode": {
                 "request_header_mode": "SEND",
                 "request_body_mode": "NONE",
                 "response_header_mode": "SEND",
-                "response_body_mode": "STREAMED",
+                "response_body_mode": "NONE" if engine else "STREAMED",
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
@@ -333,7 +344,7 @@ def _router_filter() -> dict[str, Any]:
 def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any]]:
     if not layout.plugin:
         return [_router_filter()]
-    observe = opts.count_mode == "observe" and layout.count
+    observe = opts.count_mode in ("observe", "engine") and layout.count
     return [
         _ext_proc_filter(opts, layout),
         *([_count_filter(opts)] if observe else []),
@@ -730,7 +741,9 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
         choices=COUNT_MODES,
         default=d.count_mode,
         help="observe: a second, observability-mode filter counts tokens and Envoy never waits on "
-        "the response path (default); streamed: the routing filter sees every response chunk",
+        "the response path (default); streamed: the routing filter sees every response chunk; "
+        "engine: no response chunk reaches the plugin, capacity is learned from each engine's "
+        "generated-token counter (vLLM, SGLang) at every scrape",
     )
     p.add_argument(
         "--steering",

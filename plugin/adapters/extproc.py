@@ -207,6 +207,10 @@ class ResponseTokens:
     def output_tokens(self) -> int:
         return 0 if self._scanner is None else self._scanner.output_tokens()
 
+    def estimated(self) -> bool:
+        """The count is the gateway's estimate: the engine reported no usage."""
+        return self._scanner is not None and self._scanner.estimated
+
     def usage(self) -> Usage | None:
         """The usage the engine reported, if it did (a 200 whose body carried one)."""
         return None if self._scanner is None else self._scanner.usage
@@ -218,7 +222,7 @@ def _finish(
     """A routed request's response ended: give its lease back once, crediting the tokens, and
     tell the router (output history, latency against the prediction) and the tracer."""
     output, status = tokens.output_tokens(), tokens.status
-    if not decision.lease.release(output, status, router.now()):
+    if not decision.lease.release(output, status, router.now(), tokens.estimated()):
         return
     request = decision.request
     router.completed(request.model, request.prompt_tokens, output, status)
@@ -647,7 +651,7 @@ class CountingProcessor:
             _finish(self._router, decision, self._tokens, self._tracer)
         elif pod is not None:
             output = self._tokens.output_tokens()
-            self._router.pool.credit_tokens(pod.key, output)
+            self._router.pool.credit_tokens(pod.key, output, self._tokens.estimated())
             self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
             if self._tracer is not None:
                 _trace_completed(self._tracer, pod.model, self._tokens, self._prompt_tokens)

@@ -120,8 +120,9 @@ class GatewayCollector(Collector):
         )
         tokens = CounterMetricFamily(
             "hetero_gateway_output_tokens",
-            "Output tokens counted in responses from each pod.",
-            labels=labels,
+            "Output tokens counted in responses from each pod; source: reported (the engine's"
+            " usage) or estimated (no usage in the response: SSE events or text length).",
+            labels=[*labels, "source"],
         )
         inflight = GaugeMetricFamily(
             "hetero_gateway_inflight_requests",
@@ -149,7 +150,11 @@ class GatewayCollector(Collector):
         for pod in self._pool.pods():
             values = [pod.key, pod.model]
             routed.add_metric(values, self._pool.routed_total(pod.key))
-            tokens.add_metric(values, self._pool.output_tokens_total(pod.key))
+            estimated = self._pool.estimated_tokens_total(pod.key)
+            tokens.add_metric(
+                [*values, "reported"], self._pool.output_tokens_total(pod.key) - estimated
+            )
+            tokens.add_metric([*values, "estimated"], estimated)
             inflight.add_metric(values, self._pool.inflight(pod.key))
             remote.add_metric(values, self._pool.remote_inflight(pod.key))
             info.add_metric([*values, pod.labels.get(self._gpu_label, "")], 1)

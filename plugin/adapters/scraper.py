@@ -27,7 +27,13 @@ _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _CPU_KV = ("vllm:cpu_cache_usage_perc",)  # vLLM with KV offloading to CPU
-_WANTED = frozenset(_RUNNING + _WAITING + _KV + _CPU_KV)
+# Cumulative output tokens the engine generated: vLLM counts them per step, SGLang when a
+# request finishes; either is exact, and reading it costs nothing per token.
+_GENERATED = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
+_WANTED = frozenset(_RUNNING + _WAITING + _KV + _CPU_KV + _GENERATED)
+# Labels that name a tensor-parallel rank: ranks of one engine report the same tokens, so label
+# sets that differ only there are one engine (the largest value is kept), not several.
+_RANK_LABELS = frozenset({"tp", "tp_rank"})
 # A real vLLM page is hundreds of lines (histograms per model); parsing all of it in pure Python
 # on the event loop that answers Envoy costs tens of ms per pod. Only the wanted lines are parsed.
 _WANTED_PREFIXES = tuple(sorted(_WANTED))
@@ -62,16 +68,28 @@ def wanted_lines(text: str) -> str:
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """Combine each wanted sample across label sets (one pod may label by model or by engine).
 
-    Request counts add up; KV usage is a fraction, so label sets (say, data-parallel engines)
-    are averaged. A NaN label set is skipped rather than spoiling the others.
+    Request and token counts add up; KV usage is a fraction, so label sets (say, data-parallel
+    engines) are averaged. Token counters of tensor-parallel ranks of one engine count once. A
+    NaN label set is skipped rather than spoiling the others.
     """
     found: dict[str, list[float]] = {}
+    generated: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for family in text_string_to_metric_families(wanted_lines(text)):
         for sample in family.samples:
             if sample.name in _WANTED:
                 value = float(sample.value)
-                if not math.isnan(value):
+                if math.isnan(value):
+                    continue
+                if sample.name in _GENERATED:
+                    engine = tuple(
+                        sorted((k, v) for k, v in sample.labels.items() if k not in _RANK_LABELS)
+                    )
+                    per_engine = generated.setdefault(sample.name, {})
+                    per_engine[engine] = max(value, per_engine.get(engine, value))
+                else:
                     found.setdefault(sample.name, []).append(value)
+    for name, per_engine in generated.items():
+        found[name] = list(per_engine.values())
 
     def first(names: tuple[str, ...], mean: bool = False) -> float | None:
         for name in names:
@@ -85,6 +103,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         waiting=first(_WAITING),
         kv_usage=first(_KV, mean=True),
         cpu_kv_usage=first(_CPU_KV, mean=True),
+        generation_tokens=first(_GENERATED),
     )
 
 

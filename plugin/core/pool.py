@@ -48,15 +48,22 @@ class Lease:
         self.load = load
         self.released = False
 
-    def release(self, output_tokens: int = 0, status: int = 0, now: float | None = None) -> bool:
-        """Give the slot back, credit tokens and report the upstream status (0: none seen).
+    def release(
+        self,
+        output_tokens: int = 0,
+        status: int = 0,
+        now: float | None = None,
+        estimated: bool = False,
+    ) -> bool:
+        """Give the slot back, credit tokens and report the upstream status (0: none seen);
+        `estimated`: the engine did not report the count, the gateway estimated it.
 
         Later calls do nothing (returns False).
         """
         if self.released:
             return False
         self.released = True
-        self._pool._on_release(self, output_tokens, status, now)
+        self._pool._on_release(self, output_tokens, status, now, estimated)
         return True
 
 
@@ -110,6 +117,8 @@ class PodPool:
         "_capacity",
         "_counted",
         "_ejection",
+        "_engine_tokens",
+        "_estimated",
         "_health",
         "_inflight",
         "_load",
@@ -161,6 +170,11 @@ class PodPool:
         self._saturation: dict[str, tuple[int, float]] = {}  # key -> (cap, last confirmed)
         self._peak_running: dict[str, float] = {}
         self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
+        self._estimated: dict[str, int] = {}  # of those, the ones the engine did not report
+        # Pods whose engine exports its generated-token counter: its last value. Their capacity
+        # is learned from its increase (every gateway reads the same counter, so nothing is
+        # shared through the store); what the gateway counts is kept for metrics only.
+        self._engine_tokens: dict[str, float] = {}
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
@@ -193,6 +207,8 @@ class PodPool:
             self._unreachable.discard(key)
             self._routed.pop(key, None)
             self._counted.pop(key, None)
+            self._estimated.pop(key, None)
+            self._engine_tokens.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
         self._pods = new
@@ -366,19 +382,25 @@ class PodPool:
         """The pod behind a `target-pod` IP:PORT (the counting filter knows only that)."""
         return self._by_endpoint.get(endpoint)
 
-    def credit_tokens(self, key: str, output_tokens: int) -> None:
+    def credit_tokens(self, key: str, output_tokens: int, estimated: bool = False) -> None:
         """Output tokens a pod completed, counted apart from the in-flight lease."""
         if output_tokens > 0 and key in self._pods:
-            self._credit(key, output_tokens)
+            self._credit(key, output_tokens, estimated)
 
-    def _credit(self, key: str, tokens: int) -> None:
+    def _credit(self, key: str, tokens: int, estimated: bool) -> None:
         self._counted[key] = self._counted.get(key, 0) + tokens
+        if estimated:
+            self._estimated[key] = self._estimated.get(key, 0) + tokens
+        if key in self._engine_tokens:
+            return  # the engine's own counter teaches its capacity
         if self._shared_tokens:
             self._unpublished[key] = self._unpublished.get(key, 0) + tokens
         else:
             self._capacity.add_tokens(key, tokens)
 
-    def _on_release(self, lease: Lease, output_tokens: int, status: int, now: float | None) -> None:
+    def _on_release(
+        self, lease: Lease, output_tokens: int, status: int, now: float | None, estimated: bool
+    ) -> None:
         pod = lease.pod
         key = pod.key
         left = self._inflight.get(key, 0) - 1
@@ -392,7 +414,7 @@ class PodPool:
         self._inflight_changed(key)
         if key in self._pods:  # else removed while in flight: do not resurrect its state
             if output_tokens > 0:
-                self._credit(key, output_tokens)
+                self._credit(key, output_tokens, estimated)
             if status and now is not None:
                 self._record_outcome(key, status >= 500, now)
                 if status >= 500 and self.on_failure is not None:
@@ -454,6 +476,7 @@ class PodPool:
             self._mark_dirty(key)
         previous = self._metrics.get(key)
         scraped = self._metrics[key] = _Scraped(metrics, now, now + self._metrics_max_age_s)
+        self._learn_generated(key, metrics.generation_tokens)
         self._learn_saturation(key, metrics, None if previous is None else previous.metrics, now)
         state, order = self._slot[key]
         candidate = state.view.slots[order]
@@ -470,6 +493,24 @@ class PodPool:
         else:
             candidate.waiting = candidate.kv_usage = candidate.cpu_kv_usage = None
         state.view.changed(order)
+
+    def _learn_generated(self, key: str, total: float | None) -> None:
+        """Credit the increase of the engine's generated-token counter since the last scrape.
+
+        The first value read is a baseline. A counter that went backwards belongs to a
+        restarted engine: all of its value is new. An engine that stops exporting it (say, a
+        restart with other flags) goes back to the gateway's counts.
+        """
+        if total is None or not 0 <= total < math.inf:
+            self._engine_tokens.pop(key, None)
+            return
+        last = self._engine_tokens.get(key)
+        self._engine_tokens[key] = total
+        if last is None:
+            return
+        gained = total - last if total >= last else total
+        if gained > 0:
+            self._capacity.add_tokens(key, round(gained))
 
     def _learn_saturation(
         self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None, now: float
@@ -554,7 +595,7 @@ class PodPool:
         """
         entering = not self._shared_tokens
         for key, total in totals.items():
-            if key not in self._pods:
+            if key not in self._pods or key in self._engine_tokens:
                 continue
             value = 0 if total is None or total < 0 else total
             last = self._shared_seen.get(key)
@@ -597,6 +638,15 @@ class PodPool:
         """Output tokens this gateway counted from the pod (other gateways' not included)."""
         return self._counted.get(key, 0)
 
+    def estimated_tokens_total(self, key: str) -> int:
+        """Of `output_tokens_total`, the tokens the engine did not report (estimated)."""
+        return self._estimated.get(key, 0)
+
+    def token_source(self, key: str) -> str:
+        """Where the pod's capacity is learned from: `engine` (its generated-token counter)
+        or `gateway` (the output tokens counted in its responses)."""
+        return "engine" if key in self._engine_tokens else "gateway"
+
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
 
@@ -632,6 +682,8 @@ class PodPool:
                 "load": round(self.load(key), 6),
                 "routed_total": self.routed_total(key),
                 "output_tokens_total": self.output_tokens_total(key),
+                "output_tokens_estimated": self.estimated_tokens_total(key),
+                "token_source": self.token_source(key),
                 "capacity_tokens_per_s": self.capacity(key),
                 "saturation": self.saturation(key),
                 "ejected": self.ejected(key, now),

@@ -54,6 +54,10 @@ class EngineMetrics:
     waiting: float | None = None
     kv_usage: float | None = None  # 0..1
     cpu_kv_usage: float | None = None  # 0..1, KV blocks offloaded to CPU (vLLM), where exported
+    # The engine's own cumulative count of output tokens it generated (vLLM's and SGLang's
+    # `*:generation_tokens_total`): where exported, capacity is learned from its increase per
+    # scrape, exactly and with no per-token cost at the gateway.
+    generation_tokens: float | None = None
 
 
 @dataclass(slots=True)

@@ -19,12 +19,13 @@ accepted. Garbage never raises: it just yields no usage.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Final
 
 import orjson
 
-__all__ = ["Usage", "UsageScanner", "sse_from_content_type"]
+__all__ = ["CHARS_PER_TOKEN", "Usage", "UsageScanner", "sse_from_content_type"]
 
 # Looked up at call time (not bound into the class), so tests can count decodes.
 _json_loads = orjson.loads
@@ -83,6 +84,7 @@ class UsageScanner:
         "_buf",
         "_data_events",
         "_ended",
+        "_estimate",
         "_max",
         "_mode",
         "_over_cap",
@@ -105,6 +107,7 @@ class UsageScanner:
         self._usage: Usage | None = None
         self._data_events = 0
         self._usage_only_events = 0
+        self._estimate = 0  # a JSON body without usage: tokens estimated from its text
 
     @property
     def usage(self) -> Usage | None:
@@ -126,13 +129,20 @@ class UsageScanner:
 
         The SSE estimate is the number of data events that are neither ``[DONE]`` nor usage-only
         chunks. It is approximate: vLLM streams about one token per event, but other engines (and
-        the Responses API's bookkeeping events) make it drift. JSON bodies without usage give 0.
+        the Responses API's bookkeeping events) make it drift; the gateway asks engines for usage
+        so that it is rarely needed. A JSON body without usage is estimated from the characters
+        of its generated text (`CHARS_PER_TOKEN`).
         """
         if self._usage is not None:
             return self._usage.completion_tokens
         if self._mode == _SSE:
             return max(0, self._data_events - self._usage_only_events)
-        return 0
+        return self._estimate
+
+    @property
+    def estimated(self) -> bool:
+        """True when `output_tokens` is the gateway's estimate, not the engine's report."""
+        return self._usage is None
 
     def feed(self, chunk: bytes, end_of_stream: bool = False) -> None:
         """Consume the next body chunk; never raises on malformed input."""
@@ -241,10 +251,45 @@ class UsageScanner:
             self._buf = bytearray()
             return
         self._buf += memoryview(chunk)[start:]
-        if end_of_stream and _USAGE_KEY in self._buf:
+        if end_of_stream:
             obj = _decode(self._buf)
             if isinstance(obj, dict):
-                self._usage = _parse_usage(_raw_usage(obj))
+                if _USAGE_KEY in self._buf:
+                    self._usage = _parse_usage(_raw_usage(obj))
+                if self._usage is None:
+                    self._estimate = _estimate_tokens(obj)
+
+
+# Characters per output token when a response reports no usage: the usual figure for English
+# text with BPE vocabularies (the request side's `CharRatioTokenizer` uses the same).
+CHARS_PER_TOKEN: Final = 4.0
+
+
+def _estimate_tokens(obj: dict[object, object]) -> int:
+    """Output tokens of a non-streamed body without usage, from its generated text: chat
+    `choices[].message.content`, completions `choices[].text`, Responses `output[].content[]
+    .text`; at least one token per choice or output item that holds text."""
+    texts: list[str] = []
+    for key, inner in (("choices", "message"), ("output", "content")):
+        items = obj.get(key)
+        if not isinstance(items, list):
+            continue
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            text = item.get("text")
+            nested = item.get(inner)
+            if isinstance(text, str):
+                texts.append(text)
+            elif isinstance(nested, dict) and isinstance(nested.get("content"), str):
+                texts.append(nested["content"])
+            elif isinstance(nested, list):
+                texts.extend(
+                    part["text"]
+                    for part in nested
+                    if isinstance(part, dict) and isinstance(part.get("text"), str)
+                )
+    return sum(max(1, math.ceil(len(t) / CHARS_PER_TOKEN)) for t in texts if t)
 
 
 def _leading_junk(chunk: bytes) -> int:
