@@ -225,6 +225,15 @@ def bootstrap_hcm(boot: Mapping[str, Any]) -> dict[str, Any]:
     return hcm
 
 
+def routing_filter(boot: Mapping[str, Any]) -> dict[str, Any]:
+    """The routing ext_proc filter's config in a rendered bootstrap (not always the first)."""
+    for f in bootstrap_hcm(boot)["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            config: dict[str, Any] = f["typed_config"]
+            return config
+    raise AssertionError("no routing filter in the bootstrap")
+
+
 # --- reading a running stack ----------------------------------------------------------------------
 
 

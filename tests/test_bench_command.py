@@ -21,7 +21,7 @@ from plugin_tools.bench import cli as bench_cli
 from plugin_tools.bench.client import Batch, Timing, run_interleaved
 from plugin_tools.bench.options import BenchOptions
 from plugin_tools.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
-from tests.helpers import ServeApp, bootstrap_hcm
+from tests.helpers import ServeApp, bootstrap_hcm, routing_filter
 
 pytestmark = pytest.mark.component
 
@@ -100,7 +100,7 @@ def test_plugin_layouts(
 ) -> None:
     boot = render_bootstrap(EnvoyOptions(count_mode=count_mode), layout)
     assert _filters(boot) == filters
-    mode = bootstrap_hcm(boot)["http_filters"][0]["typed_config"]["processing_mode"]
+    mode = routing_filter(boot)["processing_mode"]
     assert mode["request_body_mode"] == request_body
     assert mode["response_body_mode"] == response_body
     assert _route_cluster(boot) == cluster

@@ -12,7 +12,7 @@ import yaml
 
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, render_bootstrap
-from tests.helpers import REPO, bootstrap_hcm
+from tests.helpers import REPO, bootstrap_hcm, routing_filter
 
 pytestmark = pytest.mark.component
 
@@ -82,23 +82,32 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
     assert len(set(statuses)) == len(mappers)
 
 
+STRIP = "hetero_gateway.strip_usage"
+
+
 @pytest.mark.parametrize(
     ("count_mode", "names", "routing_body_mode", "routing_header_mode"),
     [
         (
             "observe",
-            ["envoy.filters.http.ext_proc", ec.COUNT_FILTER, "envoy.filters.http.router"],
+            [STRIP, "envoy.filters.http.ext_proc", ec.COUNT_FILTER, "envoy.filters.http.router"],
             "NONE",
             "SKIP",  # pick only: the counting filter sees the response
         ),
         (
             "streamed",
-            ["envoy.filters.http.ext_proc", "envoy.filters.http.router"],
+            [STRIP, "envoy.filters.http.ext_proc", "envoy.filters.http.router"],
             "STREAMED",
             "SEND",
         ),
+        (
+            "engine",
+            ["envoy.filters.http.ext_proc", ec.COUNT_FILTER, "envoy.filters.http.router"],
+            "NONE",
+            "SKIP",
+        ),
     ],
-    ids=["observe", "streamed"],
+    ids=["observe", "streamed", "engine"],
 )
 def test_ext_proc_filter_modes_metadata_and_timeouts(
     count_mode: str, names: list[str], routing_body_mode: str, routing_header_mode: str
@@ -106,7 +115,8 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
     boot = render_bootstrap(EnvoyOptions(count_mode=count_mode))
     filters = bootstrap_hcm(boot)["http_filters"]
     assert [f["name"] for f in filters] == names
-    cfg = filters[0]["typed_config"]
+    by_name = {f["name"]: f["typed_config"] for f in filters}
+    cfg = by_name["envoy.filters.http.ext_proc"]
     assert cfg["@type"].endswith("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor")
     assert cfg["grpc_service"]["envoy_grpc"] == {"cluster_name": ec.EXT_PROC_CLUSTER}
     assert cfg["processing_mode"] == {
@@ -126,12 +136,15 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
     assert cfg["allow_mode_override"] is False
     routes = bootstrap_hcm(boot)["route_config"]["virtual_hosts"][0]["routes"]
     added = {h["header"]["key"] for h in routes[0].get("response_headers_to_add", [])}
-    if count_mode == "observe":
-        # The plugin learns from gRPC metadata that this filter only picks; the response
-        # headers it set in its response-headers reply come from the route instead.
-        assert cfg["grpc_service"]["initial_metadata"] == [
-            {"key": "x-hetero-gateway-routing", "value": "pick-only"}
-        ]
+    # The plugin learns from gRPC metadata that this filter only picks, and whether Envoy takes
+    # usage chunks out of the streams it marks (only where the plugin counts response bodies).
+    metadata = cfg["grpc_service"].get("initial_metadata", [])
+    assert ({"key": "x-hetero-gateway-usage", "value": "strip"} in metadata) is (STRIP in names)
+    assert ({"key": "x-hetero-gateway-routing", "value": "pick-only"} in metadata) is (
+        count_mode != "streamed"
+    )
+    if count_mode != "streamed":
+        # The response headers the plugin set in its response-headers reply come from the route.
         assert added == {
             "request-id",
             "routing-strategy",
@@ -140,18 +153,26 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
             "x-aibrix-config-profile",
         }
     else:
-        assert "initial_metadata" not in cfg["grpc_service"] and not added
-    if count_mode == "observe":
-        count = filters[1]["typed_config"]
+        assert not added
+    if count_mode != "streamed":
+        count = by_name[ec.COUNT_FILTER]
         assert count["observability_mode"] is True
         assert count["failure_mode_allow"] is True  # counting must never fail a response
         assert count["processing_mode"]["request_body_mode"] == "NONE"
-        assert count["processing_mode"]["response_body_mode"] == "STREAMED"
+        body = "NONE" if count_mode == "engine" else "STREAMED"
+        assert count["processing_mode"]["response_body_mode"] == body
+        # Without a body the stream's end is the response's end: no 5 s deferred close.
+        assert ("deferred_close_timeout" in count) is (count_mode == "engine")
+    if STRIP in names:
+        assert by_name[STRIP]["@type"].endswith("envoy.extensions.filters.http.lua.v3.Lua")
 
 
-def test_streamed_count_mode_validates_with_envoy(tmp_path: Path, envoy_binary: str) -> None:
-    path = tmp_path / "streamed.yaml"
-    path.write_text(bootstrap_yaml(EnvoyOptions(count_mode="streamed")))
+@pytest.mark.parametrize("count_mode", ["streamed", "engine"])
+def test_other_count_modes_validate_with_envoy(
+    count_mode: str, tmp_path: Path, envoy_binary: str
+) -> None:
+    path = tmp_path / f"{count_mode}.yaml"
+    path.write_text(bootstrap_yaml(EnvoyOptions(count_mode=count_mode)))
     ec.validate_bootstrap(path)
 
 
@@ -288,7 +309,7 @@ def test_cli_out_writes_a_file_envoy_accepts(
     assert boot["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == (
         8 * 1024 * 1024
     )
-    assert bootstrap_hcm(boot)["http_filters"][0]["typed_config"]["failure_mode_allow"] is True
+    assert routing_filter(boot)["failure_mode_allow"] is True
 
 
 # --- CLI without Envoy ----------------------------------------------------------------------------

@@ -1105,3 +1105,48 @@ async def test_a_5xx_seen_by_the_counting_stream_counts_toward_ejection(running:
         if pool.ejected(key, now()):
             return
     raise AssertionError("no pod was ejected after 12 upstream 503s")
+
+
+STRIPS_USAGE = (("x-hetero-gateway-usage", "strip"), *PICK_ONLY)
+
+
+@pytest.mark.parametrize(
+    ("wiring", "options", "content_length", "asked"),
+    [
+        pytest.param(STRIPS_USAGE, None, True, True, id="asked-for-content-length-updated"),
+        pytest.param(STRIPS_USAGE, None, False, True, id="asked-for-chunked-no-length-added"),
+        pytest.param(STRIPS_USAGE, {"include_usage": True}, True, False, id="client-asked"),
+        pytest.param(PICK_ONLY, None, True, False, id="envoy-does-not-strip-usage"),
+    ],
+)
+async def test_a_stream_is_made_to_report_usage_only_where_envoy_takes_it_out_again(
+    running: Running,
+    wiring: tuple[tuple[str, str], ...],
+    options: dict[str, bool] | None,
+    content_length: bool,
+    asked: bool,
+) -> None:
+    body = {k: v for k, v in CHAT_BODY.items() if k != "stream_options"}
+    if options is not None:
+        body["stream_options"] = options
+    raw = orjson.dumps(body)
+    extra = {"content-length": str(len(raw))} if content_length else {}
+    call = running.stub.Process(metadata=wiring)
+    await call.write(request_headers(request_id="req-u", extra=extra))
+    async with asyncio.timeout(WAIT_S):
+        await call.read()
+        await call.write(request_body(raw))
+        reply = await call.read()
+    common = reply.request_body.response
+    marks = reply.dynamic_metadata.fields["hetero_gateway"].struct_value.fields
+    headers = set_headers(common.header_mutation)
+    if asked:
+        sent = orjson.loads(common.body_mutation.body)
+        assert sent == {**body, "stream_options": {"include_usage": True}}
+        assert marks["strip_usage"].bool_value is True
+        expected = str(len(common.body_mutation.body)).encode() if content_length else None
+        assert headers.get("content-length") == expected
+    else:
+        assert not common.HasField("body_mutation")
+        assert "strip_usage" not in marks and "content-length" not in headers
+    call.cancel()

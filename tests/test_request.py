@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plugin.core.request import CharRatioTokenizer, models_list, parse_request, parse_slo
+from plugin.core.request import (
+    CharRatioTokenizer,
+    models_list,
+    parse_request,
+    parse_slo,
+    with_usage_requested,
+)
 from plugin.core.types import SloTarget
 from plugin.errors import BadRequestBody, BadRequestHeader, NoModel, RequestError, error_reply
 
@@ -205,3 +211,59 @@ def test_any_json_shape_parses(messages: Any, prompt: Any, max_tokens: Any) -> N
     info = parse({"messages": messages, "prompt": prompt, "max_tokens": max_tokens})
     assert info.prompt_chars >= 0 and info.prompt_tokens >= 0
     assert info.max_tokens is None or info.max_tokens > 0
+
+
+def _asked(body: bytes) -> bytes | None:
+    return with_usage_requested(body, parse_request(body))
+
+
+@pytest.mark.parametrize(
+    ("doc", "options"),
+    [
+        pytest.param({"stream": True}, {"include_usage": True}, id="no-options"),
+        pytest.param(
+            {"stream": True, "stream_options": {"include_usage": False}},
+            {"include_usage": True},
+            id="declined-usage-is-asked-for-and-taken-out-again",
+        ),
+        pytest.param(
+            {"stream": True, "stream_options": {"other": 1}},
+            {"other": 1, "include_usage": True},
+            id="other-options-kept",
+        ),
+        pytest.param(
+            {"stream": True, "stream_options": None},
+            {"include_usage": True},
+            id="null-options",
+        ),
+        pytest.param(
+            {"stream": True, "messages": [{"role": "user", "content": '"stream_options"'}]},
+            {"include_usage": True},
+            id="the-name-in-a-prompt-takes-the-slow-path",
+        ),
+    ],
+)
+def test_a_stream_that_did_not_ask_for_usage_is_made_to(
+    doc: dict[str, Any], options: dict[str, Any]
+) -> None:
+    original = {"model": "m", "max_tokens": 3, **doc}
+    body = b"  \n" + orjson.dumps(original)
+    rewritten = _asked(body)
+    assert rewritten is not None
+    assert orjson.loads(rewritten) == {**original, "stream_options": options}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        pytest.param({"stream": False}, id="not-streamed"),
+        pytest.param({}, id="stream-absent"),
+        pytest.param({"stream": True, "stream_options": {"include_usage": True}}, id="asked"),
+        pytest.param(
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            id="continuous-usage-would-show-in-every-chunk",
+        ),
+    ],
+)
+def test_other_requests_are_left_as_they_are(doc: dict[str, Any]) -> None:
+    assert _asked(orjson.dumps({"model": "m", **doc})) is None

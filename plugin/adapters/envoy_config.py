@@ -31,6 +31,8 @@ from plugin.adapters.steering import (
     PICK_ONLY,
     PROFILE_ECHO_HEADER,
     REPLY_METADATA_NAMESPACE,
+    STRIP_USAGE_KEY,
+    STRIPS_USAGE,
     TARGET_POD_HEADER,
 )
 from plugin.config import DEFAULT_MAX_MESSAGE_BYTES as DEFAULT_MAX_REQUEST_BYTES
@@ -233,6 +235,88 @@ def _circuit_breakers() -> dict[str, Any]:
     }
 
 
+def _strips_usage(opts: EnvoyOptions, layout: BenchLayout) -> bool:
+    """The plugin counts response bodies: it may ask engines for usage, and a Lua filter takes
+    the usage-only chunk out of streams whose client did not ask for it."""
+    return layout.plugin and layout.count and opts.count_mode in ("observe", "streamed")
+
+
+# Takes the usage-only events (`"choices":[]` and a `"usage":{` on one `data:` line) out of a
+# stream the plugin marked (dynamic metadata hetero_gateway.strip_usage: it asked the engine for
+# usage on the client's behalf). Unmarked streams return before any chunk is read. Chunks are
+# scanned with plain finds; a partial last line that shows `"choices":[]` is held back and
+# completed by the next chunk, and an empty chunk (Envoy's end of a chunked body) sends whatever
+# is held, so a chunk boundary can at worst leave a usage event in the stream, never lose bytes
+# of anything else (tests/test_strip_usage_lua.py).
+_STRIP_USAGE_LUA = (
+    f'local NS, KEY = "{REPLY_METADATA_NAMESPACE}", "{STRIP_USAGE_KEY}"\n'
+    + r"""
+local function usage_only(s, from, to)
+  if string.sub(s, from, from + 4) ~= "data:" then return false end
+  local c = string.find(s, '"choices":[]', from, true)
+  if c == nil or c > to then return false end
+  local u = string.find(s, '"usage":{', from, true)
+  return u ~= nil and u <= to
+end
+
+-- What to send now, what to hold for the next chunk, and whether a newline that opens the next
+-- chunk ends an event taken out here.
+local function strip(s)
+  local out, pos, n = {}, 1, #s
+  while pos <= n do
+    local nl = string.find(s, "\n", pos, true)
+    if nl == nil then
+      if string.sub(s, pos, pos + 4) == "data:" and string.find(s, '"choices":[]', pos, true) then
+        return table.concat(out), string.sub(s, pos), false
+      end
+      out[#out + 1] = string.sub(s, pos)
+      break
+    end
+    if usage_only(s, pos, nl) then
+      if nl == n then return table.concat(out), "", true end
+      if string.sub(s, nl + 1, nl + 1) == "\n" then nl = nl + 1 end
+    else
+      out[#out + 1] = string.sub(s, pos, nl)
+    end
+    pos = nl + 1
+  end
+  return table.concat(out), "", false
+end
+
+function envoy_on_response(handle)
+  local marks = handle:streamInfo():dynamicMetadata():get(NS)
+  if marks == nil or marks[KEY] ~= true then return end
+  local held, blank = "", false
+  for chunk in handle:bodyChunks() do
+    local size = chunk:length()
+    if size == 0 then
+      if held ~= "" then chunk:setBytes(held) end
+      held, blank = "", false
+    else
+      local s = held .. chunk:getBytes(0, size)
+      if blank or held ~= "" or string.find(s, '"choices":[]', 1, true) then
+        if blank and string.sub(s, 1, 1) == "\n" then s = string.sub(s, 2) end
+        local kept
+        kept, held, blank = strip(s)
+        chunk:setBytes(kept)
+      end
+    end
+  end
+end
+"""
+)
+
+
+def _strip_usage_filter() -> dict[str, Any]:
+    return {
+        "name": "hetero_gateway.strip_usage",
+        "typed_config": {
+            "@type": _type_url("envoy.extensions.filters.http.lua.v3.Lua"),
+            "default_source_code": {"inline_string": _STRIP_USAGE_LUA},
+        },
+    }
+
+
 def _pick_only(opts: EnvoyOptions, layout: BenchLayout) -> bool:
     """The routing filter only picks (no response phase) when a counting filter follows it:
     its stream then ends at the pick, so a plugin crash cannot cut a streaming response."""
@@ -254,6 +338,9 @@ _ROUTED_RESPONSE_HEADERS = (
 def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
     streamed = opts.count_mode == "streamed" and layout.count
     pick_only = _pick_only(opts, layout)
+    metadata = [PICK_ONLY] if pick_only else []
+    if _strips_usage(opts, layout):
+        metadata.append(STRIPS_USAGE)
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -263,10 +350,11 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
                 # Not a deadline on the stream's life (checked on Envoy 1.40: 1 s did not cut a
                 # 3 s streamed answer); waits for each reply are bounded by message_timeout.
                 "timeout": _duration(opts.message_timeout_s),
-                # Tells the plugin this filter only picks (plugin.adapters.extproc).
+                # Tells the plugin this filter only picks, and that usage-only chunks of marked
+                # streams are taken out (plugin.adapters.extproc).
                 **(
-                    {"initial_metadata": [{"key": PICK_ONLY[0], "value": PICK_ONLY[1]}]}
-                    if pick_only
+                    {"initial_metadata": [{"key": k, "value": v} for k, v in metadata]}
+                    if metadata
                     else {}
                 ),
             },
@@ -346,6 +434,9 @@ def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any
         return [_router_filter()]
     observe = opts.count_mode in ("observe", "engine") and layout.count
     return [
+        # First in the chain, so last on the response path: whatever counts tokens sees the
+        # usage chunk before it is taken out.
+        *([_strip_usage_filter()] if _strips_usage(opts, layout) else []),
         _ext_proc_filter(opts, layout),
         *([_count_filter(opts)] if observe else []),
         _router_filter(),
@@ -656,9 +747,21 @@ def render_bootstrap(opts: EnvoyOptions, layout: BenchLayout | None = None) -> d
     }
 
 
+class _Dumper(yaml.SafeDumper):
+    """Writes multi-line strings (the Lua filter's source) as literal blocks a reader can read."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def bootstrap_yaml(opts: EnvoyOptions, layout: BenchLayout | None = None) -> str:
     """YAML text of `render_bootstrap` (key order kept, so the output is stable)."""
-    return yaml.safe_dump(render_bootstrap(opts, layout), sort_keys=False)
+    return yaml.dump(render_bootstrap(opts, layout), Dumper=_Dumper, sort_keys=False)
 
 
 def envoy_binary() -> str:

@@ -36,6 +36,8 @@ from plugin.adapters.steering import (
     PROFILE_ECHO_HEADER,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
+    STRIP_USAGE_KEY,
+    STRIPS_USAGE,
     TARGET_POD_HEADER,
 )
 from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, MAX_REQUEST_HEADERS
@@ -45,9 +47,11 @@ from plugin.core.request import (
     MODELS_PATH,
     SLO_TPOT_HEADER,
     SLO_TTFT_HEADER,
+    USAGE_OPTION_PATHS,
     models_list,
     parse_request,
     parse_slo,
+    with_usage_requested,
 )
 from plugin.core.router import Decision, Router, Waiter
 from plugin.core.selector import EXTERNAL_FILTER_HEADER, parse_selector
@@ -85,6 +89,7 @@ _WANTED = frozenset(
     {
         ":path",
         ":method",
+        "content-length",
         "authorization",
         "routing-strategy",
         CONFIG_PROFILE_HEADER,
@@ -346,8 +351,10 @@ class RoutingProcessor:
         "_passthrough",
         "_profile",
         "_router",
+        "_strips_usage",
         "_tokens",
         "_tracer",
+        "_usage_body",
         "finished",
     )
 
@@ -359,9 +366,14 @@ class RoutingProcessor:
         handoff: LeaseHandoff | None = None,
         tracer: TraceRecorder | None = None,
         auth: BearerToken | None = None,
+        strips_usage: bool = False,
     ) -> None:
         self._router = router
         self._errors = errors
+        # Envoy takes usage-only chunks out of marked streams: a stream that did not ask for
+        # usage may be made to (its rewritten body, once routed, in `_usage_body`).
+        self._strips_usage = strips_usage
+        self._usage_body: bytes | None = None
         self._max_headers = max_headers
         self._auth = auth  # set: every request must carry the gateway's bearer token
         self._handoff = handoff  # set: pick only, the counting stream takes the lease
@@ -469,6 +481,8 @@ class RoutingProcessor:
             return self._fail(err)
         if self._tracer is not None:
             self._tracer.arrived(request.model)
+        if self._strips_usage and request.stream and headers.get(":path") in USAGE_OPTION_PATHS:
+            self._usage_body = with_usage_requested(body, request)
         if isinstance(outcome, Waiter):
             return self._held(outcome)
         return self._routed(outcome)
@@ -542,9 +556,19 @@ class RoutingProcessor:
             metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields[
                 "pod"
             ].string_value = decision.lease.pod.name
+        common = pb.CommonResponse(header_mutation=mutation)
+        body = self._usage_body
+        if body is not None:
+            # The engine is asked for usage; Envoy takes its usage chunk out of the stream again.
+            self._usage_body = None
+            common.body_mutation.body = body
+            if "content-length" in self._headers:  # else Envoy refuses the mutated body
+                common.header_mutation.set_headers.append(_header("content-length", str(len(body))))
+            metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields[
+                STRIP_USAGE_KEY
+            ].bool_value = True
         return pb.ProcessingResponse(
-            request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=mutation)),
-            dynamic_metadata=metadata,
+            request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
         )
 
     def _on_response_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
@@ -681,12 +705,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._hold_notice = pb.ProcessingResponse(override_message_timeout=timeout)
         self.handoff = LeaseHandoff(router, tracer=tracer)
 
-    def processor_for(self, first: pb.ProcessingRequest, pick_only: bool = False) -> Processor:
+    def processor_for(
+        self, first: pb.ProcessingRequest, pick_only: bool = False, strips_usage: bool = False
+    ) -> Processor:
         if first.observability_mode:
             return CountingProcessor(self.router, self.handoff, self.tracer)
         handoff = self.handoff if pick_only else None
         return RoutingProcessor(
-            self.router, self.errors, self.max_headers, handoff, self.tracer, self.auth
+            self.router,
+            self.errors,
+            self.max_headers,
+            handoff,
+            self.tracer,
+            self.auth,
+            strips_usage,
         )
 
     async def Process(
@@ -698,8 +730,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         try:
             async for req in request_iterator:
                 if processor is None:
-                    metadata = context.invocation_metadata() or ()
-                    processor = self.processor_for(req, PICK_ONLY in tuple(metadata))
+                    metadata = tuple(context.invocation_metadata() or ())
+                    processor = self.processor_for(
+                        req, PICK_ONLY in metadata, STRIPS_USAGE in metadata
+                    )
                 reply = processor.handle(req)
                 if reply is None:
                     continue

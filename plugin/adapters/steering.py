@@ -15,6 +15,12 @@ REPLY_METADATA_NAMESPACE = "hetero_gateway"
 # routing filter asks for no response phase: the plugin ends the routing stream at the pick and
 # the counting stream holds the request's in-flight lease (plugin.adapters.extproc).
 PICK_ONLY = ("x-hetero-gateway-routing", "pick-only")
+# gRPC metadata on the routing filter's streams when Envoy's config takes an engine's usage-only
+# chunk out of a stream whose request did not ask for one (a Lua filter, envoy_config): the
+# plugin may then ask the engine for usage (`stream_options.include_usage`) on the client's
+# behalf, and marks such a request with dynamic metadata `hetero_gateway.strip_usage`.
+STRIPS_USAGE = ("x-hetero-gateway-usage", "strip")
+STRIP_USAGE_KEY = "strip_usage"
 # AIBrix's model config profile: the request names one (`config-profile`, or `auto`); the response
 # reports the one it ran with (the plugin sets it on the request, Envoy's route copies it back).
 CONFIG_PROFILE_HEADER = "config-profile"

@@ -41,17 +41,23 @@ __all__ = [
     "MODELS_PATH",
     "SLO_TPOT_HEADER",
     "SLO_TTFT_HEADER",
+    "USAGE_OPTION_PATHS",
     "CharRatioTokenizer",
     "Tokenizer",
     "models_list",
     "parse_request",
     "parse_slo",
+    "with_usage_requested",
 ]
 
 # Paths whose JSON body names a model and whose response reports usage; others pass through.
 LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # Answered by the gateway itself from discovery (OpenAI's model list).
 MODELS_PATH = "/v1/models"
+# Paths whose streams report usage only when asked (`stream_options.include_usage`).
+USAGE_OPTION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_STREAM_OPTIONS = b'"stream_options"'
+_ASK_USAGE = b'"stream_options":{"include_usage":true},'
 SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 
@@ -211,3 +217,35 @@ def parse_request(
         pod_selector=pod_selector,
         prompt_parts=parts,
     )
+
+
+def with_usage_requested(body: bytes, request: RequestInfo) -> bytes | None:
+    """The body of a stream that did not ask for usage, asking for it; None: leave it as it is.
+
+    An engine then reports the exact output tokens in a final usage chunk, which the gateway
+    takes out of the client's stream again. Nothing changes for a request that is not streamed,
+    already asks for usage, or asks for `continuous_usage_stats` (usage in every chunk, which
+    the client would then see). The usual body names no `stream_options`: the option is put
+    in front of its keys without decoding it again; otherwise it is decoded and re-encoded.
+    """
+    if not request.stream or request.include_usage:
+        return None
+    if _STREAM_OPTIONS not in body:
+        start = body.find(b"{")  # the object's own brace: only whitespace precedes it
+        if start < 0:
+            return None
+        return body[: start + 1] + _ASK_USAGE + body[start + 1 :]
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    options = doc.get("stream_options")
+    if isinstance(options, dict):
+        if options.get("continuous_usage_stats") is True:
+            return None
+        doc["stream_options"] = {**options, "include_usage": True}
+    else:
+        doc["stream_options"] = {"include_usage": True}
+    return orjson.dumps(doc)
