@@ -78,3 +78,25 @@ async def test_a_stream_is_credited_the_engines_count_and_the_client_sees_what_i
     assert generated1 - generated0 == 37
     assert counted1 - counted0 == 37
     assert estimated1 == estimated0
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_the_responses_api_is_routed_and_counted(fleet: LocalFleet, stream: bool) -> None:
+    body = {"model": MODEL, "input": "count this", "max_output_tokens": 23, "stream": stream}
+    async with aiohttp.ClientSession() as session:
+        await wait_idle(session, fleet)
+        counted0, estimated0, generated0 = await _counts(session, fleet)
+        async with session.post(f"{fleet.envoy_url}/v1/responses", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["routing-strategy"]  # the plugin routed it
+            assert resp.headers["target-pod"] in {e.name for e in fleet.engines}
+            payload = await resp.read()
+        await wait_idle(session, fleet)
+        counted1, estimated1, generated1 = await _counts(session, fleet)
+    if stream:
+        assert payload.rstrip().endswith(b"}")  # the Responses API sends no [DONE]
+        assert b"response.completed" in payload
+    else:
+        assert orjson.loads(payload)["usage"]["output_tokens"] == 23
+    assert generated1 - generated0 == counted1 - counted0 == 23
+    assert estimated1 == estimated0

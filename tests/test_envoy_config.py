@@ -62,6 +62,7 @@ def test_steering_reads_target_pod_header_from_original_dst_cluster() -> None:
     assert [r["match"] for r in routes] == [
         {"path": "/v1/chat/completions"},
         {"path": "/v1/completions"},
+        {"path": "/v1/responses"},
         {"path": "/v1/models"},
         {"prefix": "/"},
     ]

@@ -435,6 +435,44 @@ async def test_non_stream_usage(
     }
 
 
+@pytest.mark.parametrize("k", [1, 4], ids=["k1", "k4"])
+async def test_responses_api_streams_typed_events_and_always_reports_usage(
+    make_engine: EngineFactory, http: aiohttp.ClientSession, k: int
+) -> None:
+    handle = await make_engine(tokens_per_chunk=k)
+    body = {
+        "model": MODEL,
+        "instructions": "be brief",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "one two three"}]}],
+        "max_output_tokens": 7,
+        "stream": True,
+    }
+    async with http.post(handle.url + "/v1/responses", json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = await resp.read()
+    events = []
+    for block in raw[:-2].split(b"\n\n"):
+        kind, data = block.split(b"\n")
+        assert kind.startswith(b"event: ") and data.startswith(b"data: ")
+        event = orjson.loads(data[len(b"data: ") :])
+        assert event["type"] == kind[len(b"event: ") :].decode()
+        events.append(event)
+    kinds = [e["type"] for e in events]
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert len(deltas) == 1 + math.ceil(6 / k)  # the first token alone, then groups of k
+    assert sum(len(d.split()) for d in deltas) == 7
+    done = events[-1]["response"]
+    assert done["usage"] == {"input_tokens": 5, "output_tokens": 7, "total_tokens": 12}
+    assert done["output"][0]["content"][0]["text"] == "".join(deltas)
+    async with http.post(handle.url + "/v1/responses", json=body | {"stream": False}) as resp:
+        assert resp.status == 200
+        whole = await resp.json()
+    assert whole["object"] == "response" and whole["status"] == "completed"
+    assert whole["usage"] == done["usage"]
+
+
 @pytest.mark.parametrize(
     ("path", "payload", "status", "code"),
     [

@@ -64,6 +64,20 @@ def parse(doc: dict[str, Any], **kw: Any) -> Any:
         ({"prompt": [[1, 2], [3, 4, 5]]}, 0, 5),
         ({"prompt": {"not": "a prompt"}}, 0, 0),
         ({}, 0, 0),
+        ({"input": "abcdefgh"}, 8, 2),
+        (
+            {
+                "instructions": "be brief",
+                "input": [
+                    {"role": "user", "content": [{"type": "input_text", "text": "abcd"}]},
+                    {"type": "message", "role": "assistant", "content": "ef"},
+                    {"type": "function_call_output", "output": "not prompt text here"},
+                ],
+            },
+            14,
+            4,
+        ),
+        ({"input": [{"content": "abcd"}], "instructions": 7}, 4, 1),
     ],
     ids=[
         "chat-string",
@@ -76,6 +90,9 @@ def parse(doc: dict[str, Any], **kw: Any) -> Any:
         "completion-token-id-batches",
         "completion-bad-prompt",
         "no-prompt",
+        "responses-string-input",
+        "responses-instructions-and-items",
+        "responses-bad-instructions-ignored",
     ],
 )
 def test_prompt_size(doc: dict[str, Any], chars: int, tokens: int) -> None:
@@ -93,6 +110,7 @@ def test_prompt_size(doc: dict[str, Any], chars: int, tokens: int) -> None:
         ({"max_tokens": True}, None),
         ({"max_tokens": "64"}, None),
         ({"max_tokens": 6.5}, None),
+        ({"max_output_tokens": 16}, 16),
         ({}, None),
     ],
     ids=[
@@ -103,6 +121,7 @@ def test_prompt_size(doc: dict[str, Any], chars: int, tokens: int) -> None:
         "bool",
         "str",
         "float",
+        "responses-max-output-tokens",
         "none",
     ],
 )

@@ -1,17 +1,20 @@
 """From an OpenAI-style request to the `RequestInfo` strategies see: pure, bytes and strings in.
 
-Only `POST /v1/chat/completions` and `POST /v1/completions` are routed (their body names a model
-and their response reports usage); `GET /v1/models` is answered by the gateway from discovery.
+Only `POST /v1/chat/completions`, `/v1/completions` and `/v1/responses` are routed (their body
+names a model and their response reports usage); `GET /v1/models` is answered by the gateway from
+discovery.
 
 What is read, and why:
 - `model`, `stream`, `stream_options.include_usage`: which pods, and how usage will arrive.
 - The prompt's size: characters of every text part (chat `messages[].content` as a string or as
-  `{"type": "text", "text": ...}` parts; completions `prompt` as a string or a list of them) and
+  `{"type": "text", "text": ...}` parts; completions `prompt` as a string or a list of them;
+  Responses `instructions` and `input`, a string or items shaped like chat messages) and
   a token estimate from a `Tokenizer`; token-id prompts (`[1, 2, ...]`) count exactly. SLO
   routing predicts prefill time from it.
 - The prompt's text parts themselves, in order (`RequestInfo.prompt_parts`): prefix-cache hashes
   them. Collected by reference during the same walk, so other strategies pay an append a part.
-- `max_completion_tokens` (else `max_tokens`): the most the request can decode. A value that is
+- `max_completion_tokens` (else `max_tokens`, else the Responses API's `max_output_tokens`): the
+  most the request can decode. A value that is
   not a positive integer reads as absent; the engine answers for it.
 - SLO headers (`x-slo-ttft-ms`, `x-slo-tpot-ms`: the Gateway API Inference Extension's names),
   AIBrix's `external-filter` label selector (`plugin.core.selector`), arrival time and request
@@ -51,7 +54,7 @@ __all__ = [
 ]
 
 # Paths whose JSON body names a model and whose response reports usage; others pass through.
-LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+LLM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 # Answered by the gateway itself from discovery (OpenAI's model list).
 MODELS_PATH = "/v1/models"
 # Paths whose streams report usage only when asked (`stream_options.include_usage`).
@@ -134,6 +137,14 @@ def _prompt_size(doc: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, int, t
     chars = tokens = 0
     parts: list[str] = []
     messages = doc.get("messages")
+    if not isinstance(messages, list):
+        # The Responses API: `instructions` (a system message) and `input`, a string or a list
+        # of items shaped like chat messages (`content`: a string or parts with `text`).
+        instructions, messages = doc.get("instructions"), doc.get("input")
+        if isinstance(messages, str):
+            messages = [{"content": messages}]
+        if isinstance(instructions, str) and isinstance(messages, list):
+            messages = [{"content": instructions}, *messages]
     if isinstance(messages, list):
         for message in messages:
             if not isinstance(message, dict):
@@ -200,8 +211,10 @@ def parse_request(
         raise NoModel()
     options = doc.get("stream_options")
     chars, tokens, parts = _prompt_size(doc, tokenizer)
-    max_tokens = _positive_int(doc.get("max_completion_tokens")) or _positive_int(
-        doc.get("max_tokens")
+    max_tokens = (
+        _positive_int(doc.get("max_completion_tokens"))
+        or _positive_int(doc.get("max_tokens"))
+        or _positive_int(doc.get("max_output_tokens"))  # the Responses API's name
     )
     return RequestInfo(
         model,

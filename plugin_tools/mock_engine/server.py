@@ -345,8 +345,21 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     raise _BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
+def _responses_prompt_tokens(body: dict[str, Any]) -> int:
+    """The Responses API's `instructions` and `input` (a string, or items like chat messages)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"content": items}]
+    if not isinstance(items, list) or not items:
+        raise _BadRequest("'input' must be a string or a non-empty list of items")
+    instructions = body.get("instructions")
+    extra = _words(instructions) if isinstance(instructions, str) else 0
+    messages = [item for item in items if isinstance(item, dict)]
+    return _chat_prompt_tokens({"messages": messages}) + extra if messages else max(extra, 1)
+
+
 def _max_tokens(body: dict[str, Any], default: int) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(key)
         if value is None:
             continue
@@ -364,6 +377,8 @@ class _Shape:
     model: str
     ident: str
     created: int
+    usage_always = False  # streams report usage only when asked (`stream_options`)
+    done = b"data: [DONE]\n\n"
 
     def chunk(self, text: str, finish_reason: str | None, first: bool) -> bytes:
         choice: dict[str, Any]
@@ -400,6 +415,62 @@ class _Shape:
         return orjson.dumps(head | {"choices": [choice], "usage": usage})
 
 
+@dataclass(frozen=True, slots=True)
+class _ResponsesShape:
+    """The Responses API (`/v1/responses`), as vLLM serves it: typed events, usage always in the
+    final `response.completed` (input/output token names), no `[DONE]`."""
+
+    model: str
+    ident: str
+    created: int
+    usage_always = True
+    done = b""
+
+    def _response(self, status: str, text: str | None, usage: dict[str, int] | None) -> Any:
+        output = []
+        if text is not None:
+            part = {"type": "output_text", "text": text, "annotations": []}
+            output.append(
+                {"type": "message", "id": "msg_" + self.ident, "status": status,
+                 "role": "assistant", "content": [part]}
+            )  # fmt: skip
+        return {
+            "id": self.ident, "object": "response", "created_at": self.created,
+            "model": self.model, "status": status, "output": output,
+            "usage": None if usage is None else {
+                "input_tokens": usage["prompt_tokens"],
+                "output_tokens": usage["completion_tokens"],
+                "total_tokens": usage["total_tokens"],
+            },
+        }  # fmt: skip
+
+    @staticmethod
+    def _event(kind: str, payload: dict[str, Any]) -> bytes:
+        data = orjson.dumps({"type": kind, **payload})
+        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+        delta = self._event(
+            "response.output_text.delta",
+            {"item_id": "msg_" + self.ident, "output_index": 0, "content_index": 0, "delta": text},
+        )
+        if not first:
+            return delta
+        created = self._event(
+            "response.created", {"response": self._response("in_progress", None, None)}
+        )
+        return created + delta
+
+    def usage_chunk(self, usage: dict[str, int]) -> bytes:
+        text = _TOKEN_TEXT * usage["completion_tokens"]
+        return self._event(
+            "response.completed", {"response": self._response("completed", text, usage)}
+        )
+
+    def full(self, text: str, usage: dict[str, int]) -> bytes:
+        return orjson.dumps(self._response("completed", text, usage))
+
+
 def _usage(req: _Request) -> dict[str, int]:
     return {
         "prompt_tokens": req.prompt_tokens,
@@ -408,7 +479,8 @@ def _usage(req: _Request) -> dict[str, int]:
     }
 
 
-async def _completions(request: web.Request, *, chat: bool) -> web.StreamResponse:
+async def _completions(request: web.Request, *, kind: str) -> web.StreamResponse:
+    """One handler for the three APIs; `kind`: "chat", "text" or "responses"."""
     engine = request.app[_ENGINE_KEY]
     try:
         body = orjson.loads(await request.read())
@@ -421,7 +493,13 @@ async def _completions(request: web.Request, *, chat: bool) -> web.StreamRespons
         what = f"The model `{model}` does not exist." if model else "The request names no model."
         return _error(404, f"{what} This engine serves `{engine.model}`.", code="model_not_found")
     try:
-        prompt_tokens = _chat_prompt_tokens(body) if chat else _completion_prompt_tokens(body)
+        prompt_tokens = (
+            _chat_prompt_tokens(body)
+            if kind == "chat"
+            else _responses_prompt_tokens(body)
+            if kind == "responses"
+            else _completion_prompt_tokens(body)
+        )
         max_tokens = _max_tokens(body, engine.params.default_max_tokens)
         if body.get("n") not in (None, 1):
             raise _BadRequest("the mock engine generates one choice per request ('n' = 1)")
@@ -437,8 +515,13 @@ async def _completions(request: web.Request, *, chat: bool) -> web.StreamRespons
         return _error(400, str(exc))
     except _EngineClosing:
         return _error(503, "the engine is shutting down")
-    prefix = "chatcmpl-" if chat else "cmpl-"
-    shape = _Shape(chat, engine.model, prefix + uuid.uuid4().hex, int(time.time()))
+    ident, created = uuid.uuid4().hex, int(time.time())
+    shape: _Shape | _ResponsesShape
+    if kind == "responses":
+        shape = _ResponsesShape(engine.model, "resp_" + ident, created)
+    else:
+        chat = kind == "chat"
+        shape = _Shape(chat, engine.model, ("chatcmpl-" if chat else "cmpl-") + ident, created)
     try:
         if stream:
             return await _stream(request, engine, req, shape, include_usage)
@@ -456,7 +539,11 @@ async def _completions(request: web.Request, *, chat: bool) -> web.StreamRespons
 
 
 async def _stream(
-    request: web.Request, engine: MockEngine, req: _Request, shape: _Shape, include_usage: bool
+    request: web.Request,
+    engine: MockEngine,
+    req: _Request,
+    shape: _Shape | _ResponsesShape,
+    include_usage: bool,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     resp.headers["Cache-Control"] = "no-cache"
@@ -481,8 +568,8 @@ async def _stream(
                 await resp.write(b"".join(parts))
             if finished:
                 break
-        tail = shape.usage_chunk(_usage(req)) if include_usage else b""
-        await resp.write(tail + b"data: [DONE]\n\n")
+        tail = shape.usage_chunk(_usage(req)) if include_usage or shape.usage_always else b""
+        await resp.write(tail + shape.done)
         await resp.write_eof()
     except ConnectionResetError:
         pass  # client went away; the caller's finally aborts the sequence
@@ -490,11 +577,15 @@ async def _stream(
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _completions(request, chat=True)
+    return await _completions(request, kind="chat")
 
 
 async def _text_completions(request: web.Request) -> web.StreamResponse:
-    return await _completions(request, chat=False)
+    return await _completions(request, kind="text")
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    return await _completions(request, kind="responses")
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -528,6 +619,7 @@ def build_app(engine: MockEngine) -> web.Application:
     app.on_response_prepare.append(tag)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _text_completions)
+    app.router.add_post("/v1/responses", _responses)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
