@@ -156,6 +156,28 @@ def test_parse_pods_every_field() -> None:
     assert pod.labels == {"gpu": "l20", "replicas": "2"}  # label values become strings
 
 
+def test_a_batch_cap_is_declared_per_pod_or_for_the_model() -> None:
+    doc = {
+        "models": {
+            "m": {
+                "maxNumSeqs": 128,
+                "pods": [_entry("p0"), _entry("p1", port=8001, maxNumSeqs=32)],
+            },
+            "n": {"pods": [_entry("q0", port=8002)]},
+        }
+    }
+    caps = {p.name: p.max_num_seqs for p in parse_pods(doc, SRC)}
+    assert caps == {"p0": 128, "p1": 32, "q0": None}
+
+
+@pytest.mark.parametrize("bad", [0, -4, "256", True, 2.5])
+def test_a_bad_batch_cap_names_where_it_is(bad: Any) -> None:
+    with pytest.raises(ConfigError, match=r"models\.m\.pods\[0\]\.maxNumSeqs must be a positive"):
+        parse_pods(_doc(_entry(maxNumSeqs=bad)), SRC)
+    with pytest.raises(ConfigError, match=r"models\.m\.maxNumSeqs must be a positive"):
+        parse_pods({"models": {"m": {"maxNumSeqs": bad, "pods": []}}}, SRC)
+
+
 def test_same_name_in_two_namespaces_is_two_pods() -> None:
     pods = parse_pods(
         _doc(_entry("p0", namespace="a"), _entry("p0", port=8001, namespace="b")), SRC

@@ -27,6 +27,7 @@ from kubernetes import client
 
 from plugin.adapters.kubernetes import (
     ENGINE_KEY,
+    MAX_NUM_SEQS_KEY,
     METRIC_PORT_KEY,
     MODEL_KEY,
     PORT_KEY,
@@ -125,6 +126,35 @@ def test_annotation_names_the_model_when_no_label_does() -> None:
     pod = pod_from_object(obj)
     assert pod is not None
     assert (pod.model, pod.port) == ("meta-llama/Llama-3-8B", 81)
+
+
+@pytest.mark.parametrize(
+    ("container", "annotations", "cap"),
+    [
+        pytest.param({"args": ["--model", "x", "--max-num-seqs", "128"]}, {}, 128, id="vllm-args"),
+        pytest.param({"args": ["--max-num-seqs=64"]}, {}, 64, id="vllm-equals"),
+        pytest.param(
+            {"command": ["sh", "-c", "python3 -m sglang.launch_server --max-running-requests 48"]},
+            {},
+            48,
+            id="sglang-in-a-shell-command",
+        ),
+        pytest.param({"args": ["--max-num-seqs", "many"]}, {}, None, id="not-a-number"),
+        pytest.param({"args": ["--max-num-seqs"]}, {}, None, id="flag-without-value"),
+        pytest.param(
+            {"args": ["--max-num-seqs", "128"]}, {MAX_NUM_SEQS_KEY: "96"}, 96, id="annotation-wins"
+        ),
+        pytest.param({}, {MAX_NUM_SEQS_KEY: "0"}, None, id="bad-annotation-ignored"),
+        pytest.param({}, {}, None, id="undeclared"),
+    ],
+)
+def test_the_batch_cap_a_pod_declares(
+    container: dict[str, Any], annotations: dict[str, str], cap: int | None
+) -> None:
+    obj = pod_obj("p0", annotations=annotations)
+    obj["spec"]["containers"][0].update(container)
+    pod = pod_from_object(obj)
+    assert pod is not None and pod.max_num_seqs == cap
 
 
 def test_label_wins_over_annotation() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from plugin.core.capacity import CapacityEstimator
@@ -159,22 +161,29 @@ def test_a_pod_dead_for_days_keeps_being_ejected() -> None:
         now += 61.0
 
 
-def _scrape(pool: PodPool, p: Pod, running: float, waiting: float, now: float) -> None:
-    pool.update_metrics(p.key, EngineMetrics(running, waiting, 0.2), now)
+def _scrape(
+    pool: PodPool, p: Pod, running: float, waiting: float, now: float, kv: float = 0.2
+) -> None:
+    pool.update_metrics(p.key, EngineMetrics(running, waiting, kv), now)
+
+
+HELD = [(32, 5), (32, 3), (32, 4), (32, 2)]  # a queue held at the same running count
 
 
 @pytest.mark.parametrize(
     ("scrapes", "expected"),
     [
-        ([(32, 5), (32, 3)], 32),  # a queue held at the same running count: the batch cap
+        (HELD, 32),  # the batch cap
         ([(32, 5)], None),  # one scrape proves nothing: a request may just have arrived
-        ([(10, 1), (12, 1)], None),  # running moves: a burst waiting for the token budget
-        ([(32, 5), (32, 3), (40, 0)], 40),  # more run without a queue: the cap was higher
-        ([(32, 5), (32, 3), (20, 0)], 32),  # fewer running says nothing new
-        ([(float("nan"), 5), (float("nan"), 5)], None),
-        ([(40, 0), (32, 5), (32, 3)], None),  # held below its peak: a budget wait, not a cap
+        (HELD[:3], None),  # three in a row: still a step's wait now and then
+        ([(32, 5), (32, 3), (33, 2), (32, 1), (32, 1)], None),  # the running count moved
+        ([(10, 1), (12, 1), (14, 1), (16, 1)], None),  # running moves: a burst waiting
+        ([*HELD, (40, 0)], 40),  # more run without a queue: the cap was higher
+        ([*HELD, (20, 0)], 32),  # fewer running says nothing new
+        ([(float("nan"), 5)] * 4, None),
+        ([(40, 0), *HELD], None),  # held below its peak: a budget wait, not a cap
     ],
-    ids=["held", "once", "moving", "raised", "lower", "nan", "below-peak"],
+    ids=["held", "once", "thrice", "interrupted", "moving", "raised", "lower", "nan", "below-peak"],
 )
 def test_pool_learns_an_engines_batch_cap_from_its_metrics(
     scrapes: list[tuple[float, float]], expected: int | None
@@ -191,8 +200,9 @@ def test_pool_learns_an_engines_batch_cap_from_its_metrics(
 def test_a_removed_pod_forgets_its_batch_cap() -> None:
     a = pod("a")
     pool = make_pool(a)
-    _scrape(pool, a, 32, 5, 0.0)
-    _scrape(pool, a, 32, 5, 1.0)
+    for t in range(4):
+        _scrape(pool, a, 32, 5, float(t))
+    assert pool.saturation(a.key) == 32
     pool.set_pods([])
     pool.set_pods([a])
     assert pool.saturation(a.key) is None
@@ -202,18 +212,51 @@ def test_an_unconfirmed_batch_cap_is_probed_upwards_and_relearned() -> None:
     a = pod("a")
     pool = PodPool(CapacityEstimator(), 3.0, saturation_probe_s=60.0)
     pool.set_pods([a])
-    _scrape(pool, a, 32, 5, 0.0)
-    _scrape(pool, a, 32, 3, 1.0)
+    for t, (running, waiting) in enumerate(HELD):
+        _scrape(pool, a, running, waiting, float(t))
     assert pool.saturation(a.key) == 32
     _scrape(pool, a, 32, 2, 40.0)  # queued at the cap again: confirmed
+    leases = [pool.acquire(a) for _ in range(32)]  # the gateway holds as many as the cap
     for t in range(41, 101):
         _scrape(pool, a, 32, 0, float(t))  # full, no queue: neither proof nor disproof
     assert pool.saturation(a.key) == 32  # 60 s after the confirmation: not yet
     _scrape(pool, a, 32, 0, 101.0)
     assert pool.saturation(a.key) == 40  # probed: a quarter more may go through
-    _scrape(pool, a, 32, 6, 102.0)
-    _scrape(pool, a, 32, 6, 103.0)
+    for t in (102.0, 103.0, 104.0, 105.0):
+        _scrape(pool, a, 32, 6, t)
     assert pool.saturation(a.key) == 32  # the engine queues at 32 again: that is the cap
+    for lease in leases:
+        lease.release()
+
+
+def test_a_cap_nothing_presses_on_is_not_probed() -> None:
+    """Light load never reaches the cap: the probe would only inflate it, scrape after scrape."""
+    a = pod("a")
+    pool = PodPool(CapacityEstimator(), 3.0, saturation_probe_s=60.0)
+    pool.set_pods([a])
+    for t, (running, waiting) in enumerate(HELD):
+        _scrape(pool, a, running, waiting, float(t))
+    for t in range(4, 400):
+        _scrape(pool, a, 32 if t % 7 else 12, 0, float(t))  # full now and then, never held
+    assert pool.saturation(a.key) == 32
+
+
+def test_a_queue_behind_a_full_kv_cache_is_not_a_batch_cap() -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    for t in range(5):
+        _scrape(pool, a, 150, 8, float(t), kv=0.97)
+    assert pool.saturation(a.key) is None
+
+
+def test_a_declared_batch_cap_wins_over_what_the_metrics_suggest() -> None:
+    a = dataclasses.replace(pod("a"), max_num_seqs=256)
+    pool = make_pool(a)
+    assert pool.saturation(a.key) == 256  # before any scrape
+    for t, (running, waiting) in enumerate(HELD):
+        _scrape(pool, a, running, waiting, float(t))
+    (candidate,) = pool.candidates("m", 5.0)
+    assert pool.saturation(a.key) == candidate.saturation == 256
 
 
 def test_a_false_cap_learned_early_is_outgrown() -> None:
@@ -221,22 +264,24 @@ def test_a_false_cap_learned_early_is_outgrown() -> None:
     a = pod("a")
     pool = PodPool(CapacityEstimator(), 3.0, saturation_probe_s=60.0)
     pool.set_pods([a])
-    _scrape(pool, a, 126, 4, 0.0)
-    _scrape(pool, a, 126, 2, 1.0)
+    for t in range(4):
+        _scrape(pool, a, 126, 4 - t, float(t))
     assert pool.saturation(a.key) == 126
-    _scrape(pool, a, 126, 0, 62.0)
-    assert pool.saturation(a.key) == 158  # probed
-    _scrape(pool, a, 150, 0, 63.0)  # it runs more than the old cap without a queue
-    _scrape(pool, a, 158, 0, 64.0)
-    _scrape(pool, a, 170, 0, 65.0)
+    leases = [pool.acquire(a) for _ in range(126)]
+    _scrape(pool, a, 126, 0, 64.0)  # held at the cap since, never confirmed: probed
+    assert pool.saturation(a.key) == 158
+    _scrape(pool, a, 150, 0, 65.0)  # it runs more than the old cap without a queue
+    _scrape(pool, a, 158, 0, 66.0)
+    _scrape(pool, a, 170, 0, 67.0)
+    del leases
     assert pool.saturation(a.key) == 170  # raised by what it ran
 
 
 def test_an_infinite_running_count_is_ignored() -> None:
     a = pod("a")
     pool = make_pool(a)
-    _scrape(pool, a, float("inf"), 5, 0.0)
-    _scrape(pool, a, float("inf"), 5, 1.0)
+    for t in range(4):
+        _scrape(pool, a, float("inf"), 5, float(t))
     assert pool.saturation(a.key) is None
 
 

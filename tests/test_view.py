@@ -176,11 +176,10 @@ def test_a_large_pool_is_not_rebuilt_per_request() -> None:
 def test_when_every_replica_with_room_is_below_the_kv_guardrail_a_full_one_takes_it() -> None:
     """The full-batch rule yields to the guardrail: from the view's indexes as from the list."""
     pool = PodPool(CapacityEstimator(), metrics_max_age_s=10.0)
-    full = Pod("full", "ns", MODEL, "10.0.0.1", 8000, 8000)
+    full = Pod("full", "ns", MODEL, "10.0.0.1", 8000, 8000, max_num_seqs=2)
     tight = Pod("tight", "ns", MODEL, "10.0.0.1", 8001, 8000)
     pool.set_pods([full, tight])
-    for t in (1.0, 2.0):  # queueing at a steady running count of 2: its batch cap is 2
-        pool.update_metrics(full.key, EngineMetrics(2.0, 1.0, 0.5), t)
+    pool.update_metrics(full.key, EngineMetrics(2.0, 1.0, 0.5), 2.0)
     pool.update_metrics(tight.key, EngineMetrics(1.0, 0.0, 0.97), 2.0)
     leases = [pool.acquire(full), pool.acquire(full)]
     assert pool.saturation(full.key) == 2

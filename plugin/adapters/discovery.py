@@ -62,6 +62,17 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def _batch_cap(value: Any, what: str) -> int | None:
+    """A declared batch cap (`maxNumSeqs`): a positive integer, or absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{what} must be a positive integer (the engine's batch cap), got {value!r}"
+        )
+    return value
+
+
 def parse_pods(
     doc: Any, source: str, deployment_label: str = DEFAULT_DEPLOYMENT_LABEL
 ) -> list[Pod]:
@@ -78,6 +89,7 @@ def parse_pods(
             raise ConfigError(f"{source}: models.{model}.pods must be a list")
         # The model's config profiles, as the annotation would carry them (an object or its
         # JSON text); every pod of the model gets them.
+        model_cap = _batch_cap(spec.get("maxNumSeqs"), f"{source}: models.{model}.maxNumSeqs")
         raw_config = spec.get("config")
         config = None
         if raw_config is not None:
@@ -108,6 +120,7 @@ def parse_pods(
             labels = entry.get("labels") or {}
             if not isinstance(labels, dict):
                 raise ConfigError(f"{where}.labels must be a mapping")
+            max_num_seqs = _batch_cap(entry.get("maxNumSeqs"), f"{where}.maxNumSeqs") or model_cap
             pod = Pod(
                 name=name,
                 namespace=str(entry.get("namespace") or "default"),
@@ -120,6 +133,7 @@ def parse_pods(
                 labels={str(k): str(v) for k, v in labels.items()},
                 deployment=str(labels[deployment_label]) if labels.get(deployment_label) else None,
                 model_config=config,
+                max_num_seqs=max_num_seqs,
             )
             if pod.key in seen:
                 raise ConfigError(f"{where}: pod {pod.key} listed twice")

@@ -59,6 +59,11 @@ MODEL_KEY = "model.aibrix.ai/name"
 PORT_KEY = "model.aibrix.ai/port"
 METRIC_PORT_KEY = "model.aibrix.ai/metric-port"
 ENGINE_KEY = "model.aibrix.ai/engine"
+# The engine's batch cap, when its flags do not say it (label or annotation; this project's own
+# key: AIBrix defines none).
+MAX_NUM_SEQS_KEY = "hetero-gateway.io/max-num-seqs"
+# Engine flags that set the batch cap: vLLM's, SGLang's.
+_BATCH_CAP_FLAGS = ("--max-num-seqs", "--max-running-requests")
 DEFAULT_PORT = 8000
 DEFAULT_ENGINE = "vllm"
 
@@ -143,6 +148,7 @@ def pod_from_object(
     metrics_port = _port(setting(METRIC_PORT_KEY), METRIC_PORT_KEY, port)
     terminating = metadata.get("deletionTimestamp") is not None
     config = annotations.get(CONFIG_ANNOTATION)
+    max_num_seqs = _declared_cap(setting(MAX_NUM_SEQS_KEY), metadata) or _flag_cap(obj)
     return Pod(
         name=str(metadata["name"]),
         namespace=str(metadata["namespace"]),
@@ -155,7 +161,49 @@ def pod_from_object(
         labels=labels,
         deployment=labels.get(deployment_label) or None,
         model_config=model_config_from(config) if config else None,
+        max_num_seqs=max_num_seqs,
     )
+
+
+def _declared_cap(raw: str | None, metadata: Mapping[str, Any]) -> int | None:
+    """The `MAX_NUM_SEQS_KEY` value; a bad one is logged and left out (the cap is then read from
+    the engine's flags or learned: the pod still serves)."""
+    if raw is None:
+        return None
+    if raw.strip().isdigit() and int(raw) > 0:
+        return int(raw)
+    log.warning(
+        "pod %s/%s: %s must be a positive integer, got %r; ignored",
+        metadata.get("namespace"),
+        metadata.get("name"),
+        MAX_NUM_SEQS_KEY,
+        raw,
+    )
+    return None
+
+
+def _flag_cap(obj: Mapping[str, Any]) -> int | None:
+    """The batch cap the pod's engine was started with (`--max-num-seqs 256`, `=256`, also
+    inside a shell command string), from its containers' command and args; None if unset."""
+    spec = obj.get("spec")
+    containers = spec.get("containers") if isinstance(spec, Mapping) else None
+    if not isinstance(containers, list):
+        return None
+    for container in containers:
+        if not isinstance(container, Mapping):
+            continue
+        words: list[str] = []
+        for field in ("command", "args"):
+            items = container.get(field)
+            if isinstance(items, list):
+                words.extend(w for item in items if isinstance(item, str) for w in item.split())
+        for i, word in enumerate(words):
+            flag, _, value = word.partition("=")
+            if flag in _BATCH_CAP_FLAGS:
+                value = value or (words[i + 1] if i + 1 < len(words) else "")
+                if value.isdigit() and int(value) > 0:
+                    return int(value)
+    return None
 
 
 def unique_endpoints(pods: list[Pod]) -> list[Pod]:

@@ -88,6 +88,20 @@ class _Model:
     config: ModelConfig | None = None  # the first pod's `model.aibrix.ai/config`, if any
 
 
+# KV-cache usage at or above which a queue is put down to the KV cache, not to a batch cap.
+KV_BOUND = 0.9
+
+
+@dataclass(slots=True)
+class _Cap:
+    """A learned batch cap: when the engine last confirmed it (queued at it), and whether it ran
+    at it since (only a cap that holds traffic back is worth probing)."""
+
+    value: int
+    confirmed: float
+    pressed: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class EjectionPolicy:
     """Passive health: a pod whose engine keeps failing leaves the candidates for a while.
@@ -128,10 +142,12 @@ class PodPool:
         "_peak_running",
         "_pods",
         "_profiles",
+        "_queue_streak",
         "_remote",
         "_routed",
         "_saturation",
         "_saturation_probe_s",
+        "_saturation_scrapes",
         "_shared_seen",
         "_shared_tokens",
         "_slot",
@@ -149,9 +165,11 @@ class PodPool:
         metrics_max_age_s: float = 3.0,
         ejection: EjectionPolicy | None = None,
         saturation_probe_s: float = 60.0,
+        saturation_scrapes: int = 4,
     ) -> None:
         self._capacity = capacity
         self._saturation_probe_s = saturation_probe_s
+        self._saturation_scrapes = saturation_scrapes
         self._ejection = ejection or EjectionPolicy()
         self._health: dict[str, _Health] = {}
         # Pods whose last metrics scrape failed (refused, timed out, not 200): out of rotation
@@ -167,7 +185,8 @@ class PodPool:
         self._load: dict[str, float] = {}  # summed Lease.load of this gateway's requests
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
-        self._saturation: dict[str, tuple[int, float]] = {}  # key -> (cap, last confirmed)
+        self._saturation: dict[str, _Cap] = {}  # learned batch caps
+        self._queue_streak: dict[str, tuple[float, int]] = {}  # (top running, scrapes in a row)
         self._peak_running: dict[str, float] = {}
         self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
         self._estimated: dict[str, int] = {}  # of those, the ones the engine did not report
@@ -201,6 +220,7 @@ class PodPool:
         for key in self._pods.keys() - new.keys():
             self._metrics.pop(key, None)
             self._saturation.pop(key, None)
+            self._queue_streak.pop(key, None)
             self._peak_running.pop(key, None)
             self._capacity.forget(key)
             self._health.pop(key, None)
@@ -474,10 +494,9 @@ class PodPool:
             self._unreachable.discard(key)
             self._health.pop(key, None)
             self._mark_dirty(key)
-        previous = self._metrics.get(key)
         scraped = self._metrics[key] = _Scraped(metrics, now, now + self._metrics_max_age_s)
         self._learn_generated(key, metrics.generation_tokens)
-        self._learn_saturation(key, metrics, None if previous is None else previous.metrics, now)
+        self._learn_saturation(key, metrics, now)
         state, order = self._slot[key]
         candidate = state.view.slots[order]
         candidate.saturation = self.saturation(key)
@@ -512,45 +531,63 @@ class PodPool:
         if gained > 0:
             self._capacity.add_tokens(key, round(gained))
 
-    def _learn_saturation(
-        self, key: str, metrics: EngineMetrics, previous: EngineMetrics | None, now: float
-    ) -> None:
+    def _learn_saturation(self, key: str, metrics: EngineMetrics, now: float) -> None:
         """An engine at its batch cap keeps a queue while running the most it has ever run:
-        that number is its cap.
+        that number is its cap (unless the pod declares one: `Pod.max_num_seqs` wins).
 
-        - Learned (or corrected) when a queue shows in two scrapes in a row at the same running
-          count and that count is the engine's peak. A request that just arrived waits for the
-          next step, and a burst of long prompts waits for the step's token budget at whatever
-          count is running; neither pins the peak.
+        - Learned (or corrected) when a queue shows in `saturation_scrapes` scrapes in a row
+          (4 by default) with the running count at the engine's peak in the first and never
+          above it nor more than 1/64 of it below (a full engine, scraped between steps,
+          reads its cap less the requests that finished in the step before), and the KV cache
+          has room (usage below `KV_BOUND`). A request that just arrived waits for the
+          next step, and a burst of long prompts for the step's token budget: that does not pin
+          the running count scrape after scrape. An engine whose KV cache is full queues at
+          whatever count fits, which is no batch cap (the KV term of the score handles it).
+          A streak that begins on such a reading can learn a cap one or two below the real
+          one; the first scrape that sees the batch full raises it.
         - Raised when the engine runs more than the cap; confirmed when it queues at the cap.
-        - Probed: a cap the engine has not confirmed for `saturation_probe_s` grows by a quarter.
-          A burst early in a pod's life can still look like a cap, and a cap stops the very
-          traffic that would prove it wrong; the probe lets a little more through, and the
-          engine either runs it (the cap was low) or queues at the true cap (it is relearned).
+        - Probed: a cap the engine has not confirmed for `saturation_probe_s` grows by a quarter,
+          if since then the gateways held as many requests on the pod as the cap while the
+          engine queued none. A false cap stops the very traffic that would prove it wrong;
+          the probe lets a little more through, and the engine either runs it (the cap was
+          low) or queues at the true cap (it is relearned). A cap nothing presses on stays.
         """
         running, waiting = metrics.running, metrics.waiting
         if running is None or waiting is None or not 1 <= running < math.inf:  # NaN, inf
+            return
+        pod = self._pods[key]
+        if pod.max_num_seqs is not None:
             return
         peak = self._peak_running.get(key, 0.0)
         if running > peak:
             self._peak_running[key] = peak = running
         queued = waiting >= 1
-        held = (
-            queued
-            and previous is not None
-            and (previous.waiting or 0.0) >= 1
-            and previous.running == running
-            and running >= peak
-        )
-        entry = self._saturation.get(key)
-        if held:
-            self._saturation[key] = (int(running), now)
-        elif entry is not None:
-            cap, confirmed = entry
-            if running > cap or (queued and running >= cap):
-                self._saturation[key] = (max(cap, int(running)), now)
-            elif now - confirmed > self._saturation_probe_s:
-                self._saturation[key] = (max(cap + 1, math.ceil(cap * 1.25)), now)
+        kv = metrics.kv_usage
+        streak, top = 0, running
+        if queued and not (kv is not None and kv >= KV_BOUND):
+            last = self._queue_streak.get(key)
+            if last is not None and last[0] - max(1.0, last[0] / 64) <= running <= last[0]:
+                top, streak = last[0], last[1] + 1  # held at (or just under) the same top
+            elif running >= peak:
+                streak = 1  # a new top: a queue at the peak starts a streak
+        if streak:
+            self._queue_streak[key] = (top, streak)
+        else:
+            self._queue_streak.pop(key, None)
+        cap = self._saturation.get(key)
+        if streak >= self._saturation_scrapes:
+            self._saturation[key] = _Cap(int(top), now)
+        elif cap is not None:
+            if running > cap.value or (queued and running >= cap.value):
+                cap.value, cap.confirmed, cap.pressed = max(cap.value, int(running)), now, False
+            else:
+                # Pressed: the gateways hold as many requests on it as the cap lets through and
+                # the engine queues none of them: the cap, not the engine, holds traffic back.
+                held = self._inflight.get(key, 0) + self._remote.get(key, 0)
+                cap.pressed = cap.pressed or (held >= cap.value and not queued)
+                if cap.pressed and now - cap.confirmed > self._saturation_probe_s:
+                    cap.value = max(cap.value + 1, math.ceil(cap.value * 1.25))
+                    cap.confirmed, cap.pressed = now, False
 
     def refresh_capacity(self, now: float) -> None:
         """End of a scrape tick: capacity estimates move on, and the metrics just read count."""
@@ -656,9 +693,12 @@ class PodPool:
         return None if entry is None else (entry.metrics, entry.fresh_until)
 
     def saturation(self, key: str) -> int | None:
-        """The learned batch cap: the most the engine runs at once, as far as the pool knows."""
+        """The engine's batch cap: declared by its pod, else learned; None while unknown."""
+        pod = self._pods.get(key)
+        if pod is not None and pod.max_num_seqs is not None:
+            return pod.max_num_seqs
         entry = self._saturation.get(key)
-        return None if entry is None else entry[0]
+        return None if entry is None else entry.value
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """JSON-ready view for /debug/pods and tests."""
@@ -686,6 +726,10 @@ class PodPool:
                 "token_source": self.token_source(key),
                 "capacity_tokens_per_s": self.capacity(key),
                 "saturation": self.saturation(key),
+                # declared (the pod says: pods file, annotation, engine flag) or learned
+                "saturation_source": "declared"
+                if pod.max_num_seqs is not None
+                else ("learned" if key in self._saturation else None),
                 "ejected": self.ejected(key, now),
                 "unreachable": key in self._unreachable,
                 "engine": None

@@ -36,6 +36,10 @@ class Pod:
     # AIBrix's `model.aibrix.ai/config` (annotation, or `config` in the pods file), parsed by
     # discovery; None without one (`plugin.core.config_profile`).
     model_config: ModelConfig | None = field(default=None, repr=False)
+    # The engine's batch cap as declared (the pods file's `maxNumSeqs`, the pod's annotation or
+    # its engine's `--max-num-seqs` / `--max-running-requests` flag); None: learned from its
+    # metrics instead.
+    max_num_seqs: int | None = None
     key: str = field(init=False, repr=False, compare=False)
     # IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`.
     endpoint: str = field(init=False, repr=False, compare=False)
