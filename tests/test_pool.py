@@ -222,8 +222,9 @@ def test_an_unconfirmed_batch_cap_is_probed_upwards_and_relearned() -> None:
     assert pool.saturation(a.key) == 32  # 60 s after the confirmation: not yet
     _scrape(pool, a, 32, 0, 101.0)
     assert pool.saturation(a.key) == 40  # probed: a quarter more may go through
-    for t in (102.0, 103.0, 104.0, 105.0):
-        _scrape(pool, a, 32, 6, t)
+    for s in range(102, 106):
+        _scrape(pool, a, 32, 6, float(s))
+
     assert pool.saturation(a.key) == 32  # the engine queues at 32 again: that is the cap
     for lease in leases:
         lease.release()
