@@ -182,19 +182,20 @@ async def _one_request(
     t0: float,
     gate: asyncio.Semaphore,
     request_timeout_s: float,
+    ask_usage: bool = True,
 ) -> RequestResult:
     """Send one request at its scheduled time and read its stream; never raises for I/O."""
     loop = asyncio.get_running_loop()
     scheduled = t0 + planned.at
-    body = orjson.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": prompt_text(planned.prompt_words)}],
-            "max_tokens": planned.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+    doc: dict[str, object] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt_text(planned.prompt_words)}],
+        "max_tokens": planned.max_tokens,
+        "stream": True,
+    }
+    if ask_usage:
+        doc["stream_options"] = {"include_usage": True}
+    body = orjson.dumps(doc)
     async with gate:
         send_lag = max(0.0, loop.time() - scheduled)
         replica: str | None = None
@@ -269,6 +270,7 @@ async def run_open_loop(
     max_in_flight: int = 2000,
     request_timeout_s: float = 300.0,
     on_progress: Callable[[int, int], None] | None = None,
+    ask_usage: bool = True,
 ) -> list[RequestResult]:
     """Offer `workload` to `{url}/v1/chat/completions`; one result per scheduled request.
 
@@ -277,7 +279,8 @@ async def run_open_loop(
     and is sent late (its `send_lag_s` says how late; its latency includes the wait). The run ends
     by `duration_s + request_timeout_s`: anything still open then is cancelled and recorded as a
     status-0 error. `on_progress(done, total)` is called after each request finishes and must not
-    raise.
+    raise. `ask_usage=False` sends no `stream_options` (the result's `output_tokens` is then 0
+    unless the stream carries usage anyway).
     """
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -314,7 +317,15 @@ async def run_open_loop(
                     await asyncio.sleep(delay)
                 task = asyncio.create_task(
                     _one_request(
-                        session, endpoint, model, planned, headers, t0, gate, request_timeout_s
+                        session,
+                        endpoint,
+                        model,
+                        planned,
+                        headers,
+                        t0,
+                        gate,
+                        request_timeout_s,
+                        ask_usage,
                     )
                 )
                 task.add_done_callback(_finished)
