@@ -110,3 +110,45 @@ def test_forget_drops_state() -> None:
     est.add_tokens("a/x", 10)
     est.forget("a/x")
     assert est.total("a/x") == 0
+
+
+def _crossing(fast: bool) -> float:
+    """Two replicas at 600 and 400 tok/s exchange rates at t = 120: seconds until the estimates
+    rank them the other way."""
+    est = CapacityEstimator()
+    for key in ("a", "b"):
+        est.set_fast(key, fast)
+    est.refresh(0.0)
+    t = 0.0
+    while t < 120.0:
+        t += 1.0
+        est.add_tokens("a", 600)
+        est.add_tokens("b", 400)
+        est.refresh(t)
+    while True:
+        t += 1.0
+        est.add_tokens("a", 400)
+        est.add_tokens("b", 600)
+        est.refresh(t)
+        a, b = est.estimate("a"), est.estimate("b")
+        assert a is not None and b is not None
+        if b > a:
+            return t - 120.0
+
+
+def test_a_replica_fed_by_its_engines_counter_re_ranks_within_seconds() -> None:
+    """The engine's counter credits tokens as they are generated, so the short window can be
+    used: the estimates cross 12 s after the change, against 40 s with the minute-long window."""
+    assert _crossing(fast=True) <= 15.0
+    assert _crossing(fast=False) >= 30.0
+
+
+def test_switching_windows_keeps_the_estimate_and_reports_the_track() -> None:
+    est = CapacityEstimator()
+    est.refresh(0.0)
+    drive(est, "a", 300, 0.0, 60.0)
+    before = est.estimate("a")
+    est.set_fast("a", True)
+    assert est.is_fast("a") and not est.is_fast("b")
+    drive(est, "a", 300, 60.0, 61.0)
+    assert est.estimate("a") == pytest.approx(before)

@@ -100,6 +100,7 @@ class _Cap:
     value: int
     confirmed: float
     pressed: bool = False
+    probed_from: int | None = None  # the value before a probe, until the probe is settled
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,11 +522,13 @@ class PodPool:
         restart with other flags) goes back to the gateway's counts.
         """
         if total is None or not 0 <= total < math.inf:
-            self._engine_tokens.pop(key, None)
+            if self._engine_tokens.pop(key, None) is not None:
+                self._capacity.set_fast(key, False)
             return
         last = self._engine_tokens.get(key)
         self._engine_tokens[key] = total
         if last is None:
+            self._capacity.set_fast(key, True)  # tokens as generated: the short window
             return
         gained = total - last if total >= last else total
         if gained > 0:
@@ -550,7 +553,8 @@ class PodPool:
           if since then the gateways held as many requests on the pod as the cap while the
           engine queued none. A false cap stops the very traffic that would prove it wrong;
           the probe lets a little more through, and the engine either runs it (the cap was
-          low) or queues at the true cap (it is relearned). A cap nothing presses on stays.
+          low) or queues at the old cap again (it is back at once). A cap nothing presses on
+          stays.
         """
         running, waiting = metrics.running, metrics.waiting
         if running is None or waiting is None or not 1 <= running < math.inf:  # NaN, inf
@@ -580,12 +584,17 @@ class PodPool:
         elif cap is not None:
             if running > cap.value or (queued and running >= cap.value):
                 cap.value, cap.confirmed, cap.pressed = max(cap.value, int(running)), now, False
+                cap.probed_from = None
+            elif cap.probed_from is not None and queued and running >= cap.probed_from:
+                # Probed, and the engine queues at the old cap again: it was right, at once.
+                cap.value, cap.confirmed, cap.probed_from = cap.probed_from, now, None
             else:
                 # Pressed: the gateways hold as many requests on it as the cap lets through and
                 # the engine queues none of them: the cap, not the engine, holds traffic back.
                 held = self._inflight.get(key, 0) + self._remote.get(key, 0)
                 cap.pressed = cap.pressed or (held >= cap.value and not queued)
                 if cap.pressed and now - cap.confirmed > self._saturation_probe_s:
+                    cap.probed_from = cap.value
                     cap.value = max(cap.value + 1, math.ceil(cap.value * 1.25))
                     cap.confirmed, cap.pressed = now, False
 

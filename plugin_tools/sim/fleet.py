@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from plugin.core.capacity import CapacityEstimator
@@ -34,7 +34,14 @@ from plugin.errors import RequestError
 from plugin_tools.sim.engine import GpuProfile, SimEngine, SimSeq
 from plugin_tools.sim.workload import SimRequest
 
-__all__ = ["GatewayModel", "RequestRecord", "RunResult", "replica_names", "simulate"]
+__all__ = [
+    "GatewayModel",
+    "RequestRecord",
+    "RunResult",
+    "SpeedSwap",
+    "replica_names",
+    "simulate",
+]
 
 MODEL = "sim-model"
 
@@ -49,6 +56,19 @@ class GatewayModel:
     capacity_window_s: float = 60.0
     capacity_tau_s: float = 10.0
     params: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
+    # The engines export their generated-token counter (vLLM, SGLang) with each scrape, so
+    # capacity is learned from it rather than from completed requests' counted tokens.
+    engine_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedSwap:
+    """At `at_s`, replicas `a` and `b` exchange their step costs (a GPU slowed by a neighbour,
+    a replica restarted with other engine args): each keeps its KV cache and batch cap."""
+
+    at_s: float
+    a: int
+    b: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +147,7 @@ def replica_names(profiles: Sequence[GpuProfile]) -> list[str]:
     return names
 
 
-_STEP, _SCRAPE, _DELIVER, _MARK, _DECIDED, _DEADLINE = 0, 1, 2, 3, 4, 5
+_STEP, _SCRAPE, _DELIVER, _MARK, _DECIDED, _DEADLINE, _SWAP = 0, 1, 2, 3, 4, 5, 6
 
 
 def simulate(
@@ -141,6 +161,8 @@ def simulate(
     drain_limit_s: float = 600.0,
     book: ProfileBook | None = None,
     max_tokens: int | None = None,
+    swap: SpeedSwap | None = None,
+    on_scrape: Callable[[float, PodPool], None] | None = None,
 ) -> RunResult:
     """Run `requests` through a gateway with `strategy` in front of one engine per profile.
 
@@ -148,7 +170,8 @@ def simulate(
     Requests still unfinished `drain_limit_s` after the last arrival count as dropped, as do
     requests whose whole sequence cannot fit a replica's KV cache. `book` holds the GPU
     profiles SLO routing reads (each pod's deployment is its GPU type's name); `max_tokens` is
-    what every request's body asks for at most.
+    what every request's body asks for at most. `swap` changes two replicas' speeds mid-run;
+    `on_scrape(now, pool)` sees the gateway's state after each scrape tick.
     """
     gw = gateway or GatewayModel()
     names = replica_names(profiles)
@@ -229,6 +252,8 @@ def simulate(
     push(t_start, _MARK, None)
     push(t_stop, _MARK, None)
     push(gw.scrape_interval_s, _SCRAPE, None)
+    if swap is not None:
+        push(swap.at_s, _SWAP, swap)
 
     last_arrival = requests[-1].arrival if requests else 0.0
     limit = last_arrival + drain_limit_s
@@ -292,13 +317,25 @@ def simulate(
         elif kind == _SCRAPE:
             for i, engine in enumerate(engines):
                 snap = engine.snapshot()
-                metrics = EngineMetrics(float(snap.running), float(snap.waiting), snap.kv_usage)
+                metrics = EngineMetrics(
+                    float(snap.running),
+                    float(snap.waiting),
+                    snap.kv_usage,
+                    generation_tokens=float(engine.generated_tokens) if gw.engine_tokens else None,
+                )
                 if gw.metrics_delay_s > 0:
                     push(now + gw.metrics_delay_s, _DELIVER, (pods[i].key, metrics))
                 else:
                     pool.update_metrics(pods[i].key, metrics, now)
             pool.refresh_capacity(now)
+            if on_scrape is not None:
+                on_scrape(now, pool)
             push(now + gw.scrape_interval_s, _SCRAPE, None)
+        elif kind == _SWAP:
+            first, second = engines[data.a], engines[data.b]
+            one, other = first.profile, second.profile
+            first.profile = replace(one, a_ms=other.a_ms, b_ms=other.b_ms, p_ms=other.p_ms)
+            second.profile = replace(other, a_ms=one.a_ms, b_ms=one.b_ms, p_ms=one.p_ms)
         elif kind == _DELIVER:
             key, metrics = data
             # Stamped on arrival, as the plugin's scraper does: a late scrape is stale data,
