@@ -267,7 +267,7 @@ class PodPool:
             None,
             None,
             self._capacity.estimate(key),
-            self.saturation(key),
+            self._full_at(key),
             self._load.get(key, 0.0),
             self._profile_of(pod),
         )
@@ -500,7 +500,7 @@ class PodPool:
         self._learn_saturation(key, metrics, now)
         state, order = self._slot[key]
         candidate = state.view.slots[order]
-        candidate.saturation = self.saturation(key)
+        candidate.saturation = self._full_at(key)
         if state.dirty:
             return  # the next request recomputes the whole view
         if state.now <= scraped.fresh_until:
@@ -586,8 +586,10 @@ class PodPool:
                 cap.value, cap.confirmed, cap.pressed = max(cap.value, int(running)), now, False
                 cap.probed_from = None
             elif cap.probed_from is not None and queued and running >= cap.probed_from:
-                # Probed, and the engine queues at the old cap again: it was right, at once.
-                cap.value, cap.confirmed, cap.probed_from = cap.probed_from, now, None
+                # Probed, and the engine queues at the old cap again (or a little above it: the
+                # old one was read just after some requests finished): back at once.
+                cap.value = max(cap.probed_from, int(running))
+                cap.confirmed, cap.probed_from = now, None
             else:
                 # Pressed: the gateways hold as many requests on it as the cap lets through and
                 # the engine queues none of them: the cap, not the engine, holds traffic back.
@@ -700,6 +702,17 @@ class PodPool:
         """The pod's last engine metrics and the clock time they count until, if any."""
         entry = self._metrics.get(key)
         return None if entry is None else (entry.metrics, entry.fresh_until)
+
+    def _full_at(self, key: str) -> int | None:
+        """The in-flight count at which the full-batch rule passes a replica over: its declared
+        cap, or its learned cap plus a 1/64 slack. A learned cap can read a request or two low (a
+        full engine scraped just after some requests finished); fenced exactly there, the engine
+        would never run its real batch and the cap would never be raised to it."""
+        cap = self.saturation(key)
+        pod = self._pods.get(key)
+        if cap is None or (pod is not None and pod.max_num_seqs is not None):
+            return cap
+        return cap + max(1, cap // 64)
 
     def saturation(self, key: str) -> int | None:
         """The engine's batch cap: declared by its pod, else learned; None while unknown."""
