@@ -73,8 +73,8 @@ class Candidate:
     waiting: float | None  # engine queue; None when unknown or stale
     kv_usage: float | None  # 0..1; None when unknown, stale or NaN
     capacity: float | None  # learned output tokens/s; None before the first estimate
-    # Requests the engine runs at once when it starts queueing (its batch cap as observed);
-    # None until a scrape has shown the engine queueing.
+    # In-flight requests at which the engine's batch is full: its declared cap, or its learned
+    # cap plus a 1/64 slack (`PodPool._full_at`); None while no cap is known.
     saturation: int | None = None
     # Share of the pod this gateway's requests take by their strategies' accounting (SLO
     # routing: 1.0 is full); 0 when no strategy accounts for load.

@@ -88,7 +88,8 @@ def load_balance_scores(
 
 
 def has_room(candidate: Candidate) -> bool:
-    """Below its engine's batch cap as observed (`Candidate.saturation`; unknown: room)."""
+    """Below the in-flight count at which its engine's batch is full (`Candidate.saturation`;
+    unknown: room)."""
     cap = candidate.saturation
     return cap is None or candidate.running < cap
 
