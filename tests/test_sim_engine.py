@@ -116,3 +116,65 @@ def test_snapshot_reports_running_waiting_and_kv() -> None:
     snap = engine.snapshot()
     assert (snap.running, snap.waiting) == (1, 2)
     assert snap.kv_usage == pytest.approx(101 / 1000)
+
+
+def test_a_cached_prefix_skips_its_prefill_and_is_counted_as_vllm_counts_hits() -> None:
+    profile = GpuProfile("t", 10.0, 0.1, 1.0, 100_000, max_batched_tokens=4096)
+    engine = SimEngine("e", profile)
+    first = SimSeq(0, 0.0, 1100, 10, prefix_group=7, shared_tokens=1000)
+    drive(engine, [first])
+    assert (engine.prefix_query_tokens, engine.prefix_hit_tokens) == (1100, 0)
+    # the first request's prefill cost 1,100 prompt tokens; the second, same group, only 100
+    assert first.first_token_at == pytest.approx(profile.step_ms(0, 1100) / 1000)
+    second = SimSeq(1, 0.0, 1100, 10, prefix_group=7, shared_tokens=1000)
+    start = drive(engine, [])
+    end = drive(engine, [second])
+    assert end - start == pytest.approx(
+        profile.step_ms(0, 100) / 1000 + 9 * profile.step_ms(1) / 1000
+    )
+    assert (engine.prefix_query_tokens, engine.prefix_hit_tokens) == (2200, 1000)
+    # another group's prefix, and a request of no group, find nothing
+    other = SimSeq(2, 0.0, 1100, 10, prefix_group=8, shared_tokens=1000)
+    alone = SimSeq(3, 0.0, 1100, 10)
+    drive(engine, [other, alone])
+    assert engine.prefix_hit_tokens == 1000
+    assert engine.generated_tokens == 40
+
+
+def test_the_prefix_cache_keeps_a_share_of_the_kv_cache_least_recently_used_out() -> None:
+    # 25% of 10,000 KV tokens: two prefixes of 1,000 fit, a third pushes out the oldest
+    profile = GpuProfile("t", 10.0, 0.1, 0.1, 10_000, prefix_cache_share=0.25)
+    engine = SimEngine("e", profile)
+    rid = 0
+
+    def ask(group: int) -> int:
+        nonlocal rid
+        before = engine.prefix_hit_tokens
+        rid += 1
+        drive(engine, [SimSeq(rid, 0.0, 1050, 2, prefix_group=group, shared_tokens=1000)])
+        return engine.prefix_hit_tokens - before
+
+    assert [ask(1), ask(2), ask(1)] == [0, 0, 1000]  # 1 is now the most recent
+    assert ask(3) == 0  # 2, the least recent, goes
+    assert [ask(1), ask(3), ask(2)] == [1000, 1000, 0]
+    # a prefix larger than the whole share is never cached
+    big = GpuProfile("t", 10.0, 0.1, 0.1, 1_000, prefix_cache_share=0.25)
+    engine = SimEngine("e", big)
+    for k in range(2):
+        drive(engine, [SimSeq(k, 0.0, 400, 2, prefix_group=1, shared_tokens=300)])
+    assert engine.prefix_hit_tokens == 0
+    with pytest.raises(ValueError, match="prefix_cache_share"):
+        GpuProfile("t", 10.0, 0.1, 0.1, 1_000, prefix_cache_share=1.5)
+
+
+def test_a_preempted_request_with_a_cached_prefix_releases_all_the_kv_it_held() -> None:
+    # A KV cache so small that the second long decode preempts: the accounting must return to 0.
+    profile = GpuProfile("t", 10.0, 0.1, 0.1, 3_000, prefix_cache_share=0.5)
+    engine = SimEngine("e", profile)
+    drive(engine, [SimSeq(0, 0.0, 1100, 2, prefix_group=1, shared_tokens=1000)])
+    seqs = [SimSeq(k, 0.0, 1100, 600, prefix_group=1, shared_tokens=1000) for k in (1, 2)]
+    drive(engine, seqs)
+    assert engine.preemptions > 0
+    assert all(s.finish_at > 0 for s in seqs)
+    assert engine.kv_used() == 0 and engine.idle()
+    assert engine.prefix_hit_tokens >= 2000

@@ -7,6 +7,15 @@ per sequence) and, when the next step would not fit, the most recently admitted 
 preempted and later recomputed (its prompt and the tokens it already produced are prefilled again),
 as vLLM's recompute preemption does.
 
+Prefix caching: a request may share its first `shared_tokens` with others of its `prefix_group`
+(a system prompt, a document asked several questions). An engine remembers the groups whose
+prefix it prefilled, least recently used first out, up to `prefix_cache_share` of its KV cache;
+a request admitted where its group is cached skips that part of its prefill (its KV is still
+held, as vLLM's shared blocks are). What it hit and what it asked for are counted in tokens, as
+vLLM's `vllm:prefix_cache_hits_total` and `..._queries_total` are. Limits: a prefix is cached
+once its request's whole prefill ran (vLLM caches block by block), and the cache is a fixed
+share of the KV cache rather than whatever blocks are free.
+
 The bookkeeping is per event, not per sequence per step: a decoding sequence's KV grows by one
 token a step, so the total is kept as `constant + decoding * steps` and finishes come off a heap by
 step number. A step costs O(1) plus what is admitted, finished or preempted in it.
@@ -15,7 +24,7 @@ step number. A step costs O(1) plus what is admitted, finished or preempted in i
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -40,12 +49,15 @@ class GpuProfile:
     kv_tokens: int
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048  # per-step token budget (decode tokens count against it)
+    prefix_cache_share: float = 0.25  # of kv_tokens kept for cached prefixes (module doc)
 
     def __post_init__(self) -> None:
         if min(self.a_ms, self.b_ms, self.p_ms) < 0 or self.a_ms + self.b_ms <= 0:
             raise ValueError(f"{self.name}: step costs must be >= 0 and a + b > 0")
         if self.kv_tokens < 1 or self.max_num_seqs < 1 or self.max_batched_tokens < 1:
             raise ValueError(f"{self.name}: kv_tokens, max_num_seqs, max_batched_tokens >= 1")
+        if not 0.0 <= self.prefix_cache_share <= 1.0:
+            raise ValueError(f"{self.name}: prefix_cache_share must be within 0..1")
 
     def step_ms(self, decoding: int, prefill_tokens: int = 0) -> float:
         return self.a_ms + self.b_ms * decoding + self.p_ms * prefill_tokens
@@ -114,12 +126,24 @@ class SimSeq:
         "preemptions",
         "prefill_target",
         "prefilled",
+        "prefix_group",
         "prompt_tokens",
         "rid",
+        "shared_tokens",
     )
 
-    def __init__(self, rid: int, arrival: float, prompt_tokens: int, output_tokens: int) -> None:
+    def __init__(
+        self,
+        rid: int,
+        arrival: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        prefix_group: int = -1,
+        shared_tokens: int = 0,
+    ) -> None:
         self.rid = rid
+        self.prefix_group = prefix_group  # -1: shares no prefix with other requests
+        self.shared_tokens = shared_tokens if prefix_group >= 0 else 0
         self.arrival = arrival
         self.prompt_tokens = max(1, prompt_tokens)
         self.output_tokens = max(1, output_tokens)
@@ -151,11 +175,15 @@ class SimEngine:
         "_kv_const",
         "_prefill_kv",
         "_prefilling",
+        "_prefix_tokens",
+        "_prefixes",
         "_running",
         "busy_s",
         "generated_tokens",
         "name",
         "preemptions",
+        "prefix_hit_tokens",
+        "prefix_query_tokens",
         "profile",
         "steps",
         "waiting",
@@ -175,6 +203,10 @@ class SimEngine:
         self.busy_s = 0.0
         self.generated_tokens = 0
         self.preemptions = 0
+        self._prefixes: OrderedDict[int, int] = OrderedDict()  # group -> tokens, LRU first
+        self._prefix_tokens = 0
+        self.prefix_query_tokens = 0  # prompt tokens admitted (each admission, as vLLM counts)
+        self.prefix_hit_tokens = 0  # of those, found in the prefix cache
 
     # state ---------------------------------------------------------------------------------
     def fits(self, seq: SimSeq) -> bool:
@@ -219,12 +251,19 @@ class SimEngine:
         waiting = self.waiting
         while waiting and budget > 0 and len(self._running) < profile.max_num_seqs:
             seq = waiting[0]
-            n = min(seq.prefill_target, budget)
-            if n > free:
+            hit = self._cached(seq)
+            n = min(seq.prefill_target - hit, budget)
+            if n + hit > free:
                 break  # FCFS: the head waits for KV, nothing overtakes it
             waiting.popleft()
             self._running[seq.rid] = seq
             self._prefilling[seq.rid] = seq
+            self.prefix_query_tokens += seq.prefill_target
+            if hit:
+                self.prefix_hit_tokens += hit
+                seq.prefilled = hit
+                self._prefill_kv += hit
+                free -= hit
             chunks.append((seq, n))
             budget -= n
             free -= n
@@ -257,6 +296,8 @@ class SimEngine:
             # The last prefill chunk emits a token, as in vLLM.
             del self._prefilling[seq.rid]
             self._prefill_kv -= seq.prefilled
+            if seq.prefix_group >= 0:
+                self._remember(seq.prefix_group, seq.shared_tokens)
             seq.generated += 1
             self.generated_tokens += 1
             if seq.first_token_at < 0:
@@ -280,6 +321,28 @@ class SimEngine:
             del self._running[rid]
             done.append(seq)
         return done
+
+    def _cached(self, seq: SimSeq) -> int:
+        """Tokens of `seq`'s prefill its cached group prefix covers (at least one is computed:
+        the last prefill chunk is what emits the first token)."""
+        if seq.prefix_group < 0 or seq.prefix_group not in self._prefixes:
+            return 0
+        self._prefixes.move_to_end(seq.prefix_group)
+        return min(seq.shared_tokens, seq.prefill_target - 1)
+
+    def _remember(self, group: int, tokens: int) -> None:
+        budget = int(self.profile.kv_tokens * self.profile.prefix_cache_share)
+        if tokens <= 0 or tokens > budget:
+            return
+        prefixes = self._prefixes
+        if group in prefixes:
+            prefixes.move_to_end(group)
+            return
+        prefixes[group] = tokens
+        self._prefix_tokens += tokens
+        while self._prefix_tokens > budget:
+            _, dropped = prefixes.popitem(last=False)
+            self._prefix_tokens -= dropped
 
     def _preempt_last(self) -> None:
         rid, seq = self._running.popitem()

@@ -125,6 +125,9 @@ class ReplicaWindow:
     output_tokens: int
     busy_s: float
     preemptions: int
+    # Prompt tokens admitted and, of those, found in the engine's prefix cache.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,17 @@ def replica_names(profiles: Sequence[GpuProfile]) -> list[str]:
         seen[p.name] = i + 1
         names.append(f"{p.name}-{i}")
     return names
+
+
+def _counters(engine: SimEngine) -> tuple[int, float, int, int, int]:
+    """An engine's cumulative counters, in `ReplicaWindow`'s field order."""
+    return (
+        engine.generated_tokens,
+        engine.busy_s,
+        engine.preemptions,
+        engine.prefix_query_tokens,
+        engine.prefix_hit_tokens,
+    )
 
 
 _STEP, _SCRAPE, _DELIVER, _MARK, _DECIDED, _DEADLINE, _SWAP = 0, 1, 2, 3, 4, 5, 6
@@ -248,7 +262,7 @@ def simulate(
     measured_times = [r.arrival for r, m in zip(requests, measured, strict=True) if m]
     t_start = measured_times[0] if measured_times else 0.0
     t_stop = measured_times[-1] if measured_times else 0.0
-    marks: list[list[tuple[int, float, int]]] = []
+    marks: list[list[tuple[int, float, int, int, int]]] = []
     push(t_start, _MARK, None)
     push(t_stop, _MARK, None)
     push(gw.scrape_interval_s, _SCRAPE, None)
@@ -266,14 +280,25 @@ def simulate(
             now = req.arrival
             k = next_req
             next_req += 1
-            seqs.append(SimSeq(k, now, req.prompt_tokens, req.output_tokens))
+            seqs.append(
+                SimSeq(
+                    k,
+                    now,
+                    req.prompt_tokens,
+                    req.output_tokens,
+                    req.prefix_group,
+                    req.shared_tokens,
+                )
+            )
             info = RequestInfo(
                 MODEL,
                 stream=True,
                 include_usage=True,
+                prompt_chars=sum(map(len, req.prompt_parts)),
                 prompt_tokens=req.prompt_tokens,
                 max_tokens=max_tokens,
                 arrived_at=now,
+                prompt_parts=req.prompt_parts,
             )
             try:
                 outcome = router.admit(info, strategy)
@@ -342,12 +367,12 @@ def simulate(
             # not an old one.
             pool.update_metrics(key, metrics, now)
         else:
-            marks.append([(e.generated_tokens, e.busy_s, e.preemptions) for e in engines])
+            marks.append([_counters(e) for e in engines])
 
     while len(marks) < 2:
-        marks.append([(e.generated_tokens, e.busy_s, e.preemptions) for e in engines])
+        marks.append([_counters(e) for e in engines])
     windows = tuple(
-        ReplicaWindow(b[0] - a[0], b[1] - a[1], b[2] - a[2])
+        ReplicaWindow(b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3], b[4] - a[4])
         for a, b in zip(marks[0], marks[1], strict=True)
     )
     records = tuple(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import textwrap
@@ -269,3 +270,42 @@ def write_plots(doc: Mapping[str, Any], prefix: Path) -> list[Path]:
     fig.savefig(paths[1], dpi=110)
     plt.close(fig)
     return paths
+
+
+def add_study_arguments(
+    parser: argparse.ArgumentParser, fleet: str, loads: Sequence[float]
+) -> None:
+    """The arguments every load study takes: fleet, loads, run size, seed and `--doc`."""
+    parser.add_argument("--fleet", default=fleet, help=f"GPU types, e.g. {fleet}")
+    parser.add_argument(
+        "--loads",
+        default=",".join(f"{x:g}" for x in loads),
+        help="fractions of G* (comma-separated)",
+    )
+    parser.add_argument("--requests", type=int, default=2000, help="measured requests per run")
+    parser.add_argument("--warmup", type=float, default=60.0, help="simulated seconds of warm-up")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--doc", type=Path, help="also write the table into this Markdown file's section"
+    )
+
+
+def study_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[float]:
+    """The parsed `--loads` (positive fractions of G*); exits through `parser` on a bad one, or
+    on a bad run size."""
+    try:
+        loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--loads {args.loads!r}: expected numbers separated by commas")
+    if not loads or any(x <= 0 for x in loads):
+        parser.error("--loads: expected positive fractions of G*")
+    if args.requests < 10 or args.warmup < 0:
+        parser.error("--requests >= 10 and --warmup >= 0")
+    return loads
+
+
+def study_command(prog: str, argv: Sequence[str] | None) -> str:
+    """The command a generated section names: `prog` and its arguments, `--doc` left out."""
+    if argv is None:
+        return prog
+    return prog + " " + " ".join(a for a in argv if not a.startswith("--doc"))

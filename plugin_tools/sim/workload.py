@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "LengthSource",
     "LogNormalLengths",
     "MixedLengths",
+    "SharedPrefix",
     "SimRequest",
     "SyntheticLengths",
     "TraceLengths",
@@ -31,6 +32,11 @@ class SimRequest:
     arrival: float  # seconds from the start
     prompt_tokens: int
     output_tokens: int
+    # Requests of one group share their first `shared_tokens` prompt tokens (-1: no group), and
+    # `prompt_parts` is the prompt's text as a gateway would hash it (empty: none given).
+    prefix_group: int = -1
+    shared_tokens: int = 0
+    prompt_parts: tuple[str, ...] = field(default=(), repr=False)
 
 
 class LengthSource(Protocol):
@@ -208,3 +214,79 @@ def generate(
     times = arrivals.times(rate, n, random.Random(f"arrivals-{seed}"))
     sizes = random.Random(f"lengths-{seed}")
     return [SimRequest(t, *lengths.sample(sizes)) for t in times]
+
+
+_FILLER = "the quick brown fox jumps over the lazy dog while the engine caches its prefix "
+
+
+def _text(head: str, chars: int) -> str:
+    """`head` padded with filler to `chars` characters (at least the head)."""
+    if len(head) >= chars:
+        return head
+    reps = (chars - len(head)) // len(_FILLER) + 1
+    return (head + _FILLER * reps)[:chars]
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Prompts that open with one of `groups` shared prefixes of `shared_tokens` tokens (a
+    system prompt, a document asked many questions), then a question of their own.
+
+    Groups are drawn with Zipf weights 1 / rank^`zipf` (0: uniform). Each prompt comes with its
+    text, `chars_per_token` characters a token, so a gateway's prefix index can hash it: one
+    text per group (different from the first character on), then the request's own question.
+    As a `LengthSource` it gives the same lengths without the sharing.
+    """
+
+    groups: int = 32
+    shared_tokens: int = 1500
+    zipf: float = 0.0
+    question: LogNormalLengths = LogNormalLengths(60, 0.8, 8, 512)
+    output: LogNormalLengths = LogNormalLengths(200, 0.9, 8, 1024)
+    chars_per_token: int = 4
+    name: str = "shared-prefix"
+
+    def __post_init__(self) -> None:
+        if self.groups < 1 or self.shared_tokens < 1 or self.chars_per_token < 1:
+            raise ValueError("groups, shared_tokens and chars_per_token must be >= 1")
+        if self.zipf < 0:
+            raise ValueError("zipf must be >= 0")
+
+    def sample(self, rng: random.Random) -> tuple[int, int]:
+        return self.shared_tokens + self.question.sample(rng), self.output.sample(rng)
+
+    @property
+    def mean_output(self) -> float:
+        return SyntheticLengths(self.question, self.output).mean_output
+
+    @property
+    def max_output(self) -> int:
+        return self.output.high
+
+    def requests(
+        self, arrivals: Arrivals, rate: float, n: int, rng: random.Random
+    ) -> list[SimRequest]:
+        """`n` requests with their groups and texts; seeded streams as in `generate`."""
+        seed = rng.getrandbits(64)
+        times = arrivals.times(rate, n, random.Random(f"arrivals-{seed}"))
+        draw = random.Random(f"prefix-{seed}")
+        cum = list(
+            itertools.accumulate(1.0 / rank**self.zipf for rank in range(1, self.groups + 1))
+        )
+        groups = range(self.groups)
+        cpt = self.chars_per_token
+        heads = [
+            _text(f"<document {g:05d}> ", self.shared_tokens * cpt) for g in range(self.groups)
+        ]
+        out: list[SimRequest] = []
+        for k, t in enumerate(times):
+            group = draw.choices(groups, cum_weights=cum)[0]
+            question = self.question.sample(draw)
+            output = self.output.sample(draw)
+            parts = (heads[group], _text(f" question {k}: ", question * cpt))
+            out.append(
+                SimRequest(
+                    t, self.shared_tokens + question, output, group, self.shared_tokens, parts
+                )
+            )
+        return out
