@@ -178,6 +178,29 @@ def test_a_bad_batch_cap_names_where_it_is(bad: Any) -> None:
         parse_pods({"models": {"m": {"maxNumSeqs": bad, "pods": []}}}, SRC)
 
 
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [
+        pytest.param({}, "/metrics", id="default"),
+        pytest.param({"engine": "trtllm"}, "/prometheus/metrics", id="trtllm-default"),
+        pytest.param({"engine": "sglang"}, "/metrics", id="sglang-default"),
+        pytest.param({"metricsPath": "/stats/prom"}, "/stats/prom", id="declared"),
+        pytest.param(
+            {"engine": "trtllm", "metricsPath": "/metrics"}, "/metrics", id="declared-wins"
+        ),
+    ],
+)
+def test_the_metrics_path_of_a_pod(extra: dict[str, Any], path: str) -> None:
+    (pod,) = parse_pods(_doc(_entry(**extra)), SRC)
+    assert pod.metrics_path == path
+
+
+@pytest.mark.parametrize("bad", ["metrics", "", "http://10.0.0.1/metrics", 8000, ["/metrics"]])
+def test_a_bad_metrics_path_names_where_it_is(bad: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^pods\.yaml: models\.m\.pods\[0\]\.metricsPath must"):
+        parse_pods(_doc(_entry(metricsPath=bad)), SRC)
+
+
 def test_same_name_in_two_namespaces_is_two_pods() -> None:
     pods = parse_pods(
         _doc(_entry("p0", namespace="a"), _entry("p0", port=8001, namespace="b")), SRC

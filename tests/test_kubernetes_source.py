@@ -29,6 +29,7 @@ from plugin.adapters.kubernetes import (
     ENGINE_KEY,
     MAX_NUM_SEQS_KEY,
     METRIC_PORT_KEY,
+    METRICS_PATH_KEY,
     MODEL_KEY,
     PORT_KEY,
     KubernetesSource,
@@ -155,6 +156,35 @@ def test_the_batch_cap_a_pod_declares(
     obj["spec"]["containers"][0].update(container)
     pod = pod_from_object(obj)
     assert pod is not None and pod.max_num_seqs == cap
+
+
+@pytest.mark.parametrize(
+    ("engine", "annotations", "path"),
+    [
+        pytest.param(None, {}, "/metrics", id="default"),
+        pytest.param("trtllm", {}, "/prometheus/metrics", id="trtllm-default"),
+        pytest.param("xllm", {}, "/metrics", id="xllm-default"),
+        pytest.param(None, {METRICS_PATH_KEY: "/stats"}, "/stats", id="annotation"),
+        pytest.param("trtllm", {METRICS_PATH_KEY: "/metrics"}, "/metrics", id="annotation-wins"),
+    ],
+)
+def test_the_metrics_path_of_a_pod(
+    engine: str | None, annotations: dict[str, str], path: str
+) -> None:
+    labels = {ENGINE_KEY: engine} if engine else {}
+    pod = pod_from_object(pod_obj("p0", labels=labels, annotations=annotations))
+    assert pod is not None and pod.metrics_path == path
+
+
+def test_a_bad_metrics_path_annotation_is_logged_and_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    obj = pod_obj("p0", labels={ENGINE_KEY: "trtllm"}, annotations={METRICS_PATH_KEY: "metrics"})
+    pod = pod_from_object(obj)
+    assert pod is not None and pod.metrics_path == "/prometheus/metrics"  # the engine's default
+    (record,) = [r for r in caplog.records if r.name == LOGGER]
+    assert METRICS_PATH_KEY in record.getMessage() and "'metrics'" in record.getMessage()
 
 
 def test_label_wins_over_annotation() -> None:

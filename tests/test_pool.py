@@ -260,6 +260,58 @@ def test_a_declared_batch_cap_wins_over_what_the_metrics_suggest() -> None:
     assert pool.saturation(a.key) == candidate.saturation == 256
 
 
+def _exporting(
+    pool: PodPool, p: Pod, running: float, waiting: float, now: float, cap: float | None
+) -> None:
+    pool.update_metrics(p.key, EngineMetrics(running, waiting, 0.2, max_batch=cap), now)
+
+
+def test_a_batch_cap_the_engine_exports_counts_as_declared() -> None:
+    """TensorRT-LLM exports its cap: exact (no slack), nothing learned over it, and the debug
+    view says where it came from."""
+    a = pod("a")
+    pool = make_pool(a)
+    cap = 64
+    for t, (running, waiting) in enumerate(HELD):  # a queue held at 32 would teach a cap
+        _exporting(pool, a, running, waiting, float(t), cap)
+    (candidate,) = pool.candidates("m", 5.0)
+    assert pool.saturation(a.key) == candidate.saturation == cap
+    snapshot = pool.snapshot(5.0)["pods"][a.key]
+    assert (snapshot["saturation"], snapshot["saturation_source"]) == (cap, "engine")
+
+    _exporting(pool, a, 32, 0, 6.0, None)  # no longer exported: unknown until learned again
+    assert (pool.saturation(a.key), pool.saturation_source(a.key)) == (None, None)
+    for t, (running, waiting) in enumerate(HELD, start=7):
+        _exporting(pool, a, running, waiting, float(t), None)
+    assert (pool.saturation(a.key), pool.saturation_source(a.key)) == (32, "learned")
+    _exporting(pool, a, 32, 0, 20.0, cap)  # exported again: it replaces what was learned
+    assert (pool.saturation(a.key), pool.saturation_source(a.key)) == (cap, "engine")
+    _exporting(pool, a, 32, 0, 21.0, None)
+    assert pool.saturation(a.key) is None
+    _exporting(pool, a, 32, 0, 22.0, cap)
+    pool.set_pods([])
+    pool.set_pods([a])
+    assert pool.saturation(a.key) is None  # a removed pod forgets it
+
+
+def test_a_declared_batch_cap_wins_over_the_one_the_engine_exports() -> None:
+    declared = 256
+    a = dataclasses.replace(pod("a"), max_num_seqs=declared)
+    pool = make_pool(a)
+    _exporting(pool, a, 10, 0, 1.0, 64)
+    (candidate,) = pool.candidates("m", 1.0)
+    assert pool.saturation(a.key) == candidate.saturation == declared
+    assert pool.snapshot(1.0)["pods"][a.key]["saturation_source"] == "declared"
+
+
+@pytest.mark.parametrize("bad", [0.0, 0.5, -3.0, float("nan"), float("inf")])
+def test_an_exported_cap_that_is_no_count_is_ignored(bad: float) -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    _exporting(pool, a, 10, 0, 1.0, bad)
+    assert (pool.saturation(a.key), pool.saturation_source(a.key)) == (None, None)
+
+
 def test_a_false_cap_learned_early_is_outgrown() -> None:
     # A burst of long prompts held a queue at 126 while that was the engine's peak.
     a = pod("a")

@@ -19,7 +19,10 @@ import pytest_asyncio
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
+from plugin.adapters.discovery import parse_pods
 from plugin.adapters.scraper import MetricsScraper, parse_engine_metrics
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
@@ -101,6 +104,97 @@ vllm:num_requests_running{model_name="b"} 4
 vllm:num_requests_waiting{model_name="a"} 1
 vllm:num_requests_waiting{model_name="b"} 2
 """
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a page built by `trtllm_page` or `xllm_page` says."""
+
+    running: float = 5.0
+    waiting: float = 2.0
+    kv: float = 0.375
+    generated: float = 1234.0
+
+
+def _histogram(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> None:
+    """A latency histogram with a few observations: the bulk of a real page."""
+    histogram = Histogram(name, "Latency.", list(labels), registry=registry)
+    for seconds in (0.02, 0.3, 1.7):
+        (histogram.labels(**labels) if labels else histogram).observe(seconds)
+
+
+def trtllm_page(
+    reading: Reading,
+    *,
+    max_active: float | None = 64.0,
+    max_static: float | None = 256.0,
+    engine_type: str = "pytorch",
+) -> str:
+    """A `trtllm-serve` page in its exposition shape (tensorrt_llm/metrics/collector.py): names
+    prefixed `trtllm_`, labelled by model_name and engine_type, counters and histograms around
+    the gauges the gateway reads."""
+    registry = CollectorRegistry()
+    labels = {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "engine_type": engine_type}
+    names = list(labels)
+
+    def gauge(name: str, value: float) -> None:
+        Gauge(name, f"{name}.", names, registry=registry).labels(**labels).set(value)
+
+    Counter(
+        "trtllm_request_success",
+        "Finished requests.",
+        [*names, "finished_reason"],
+        registry=registry,
+    ).labels(**labels, finished_reason="stop").inc(42)
+    _histogram(registry, "trtllm_e2e_request_latency_seconds", labels)
+    _histogram(registry, "trtllm_time_to_first_token_seconds", labels)
+    gauge("trtllm_num_requests_running", reading.running)
+    gauge("trtllm_num_requests_waiting", reading.waiting)
+    gauge("trtllm_kv_cache_utilization", reading.kv)
+    Counter("trtllm_generation_tokens", "Generated tokens.", names, registry=registry).labels(
+        **labels
+    ).inc(reading.generated)
+    if max_active is not None:
+        gauge("trtllm_max_num_active_requests", max_active)
+    if max_static is not None:
+        gauge("trtllm_max_batch_size_static", max_static)
+    _histogram(registry, "trtllm_time_per_output_token_seconds", labels)
+    return generate_latest(registry).decode()
+
+
+class _NamedCounter:
+    """A counter whose sample is named exactly `name`, as xLLM's C++ exporter writes it
+    (prometheus_client's `Counter` appends `_total` to every counter name)."""
+
+    def __init__(self, name: str, value: float) -> None:
+        self.name, self.value = name, value
+
+    def collect(self) -> list[Metric]:
+        metric = Metric(self.name, "Generated tokens.", "counter")
+        metric.add_sample(self.name, {}, self.value)
+        return [metric]
+
+
+def xllm_page(
+    reading: Reading,
+    *,
+    kv_name: str = "kv_cache_utilization_perc",
+    generated_name: str = "num_generated_tokens_total",
+) -> str:
+    """An xLLM page in its exposition shape (common/metrics.cpp): names without a prefix, the KV
+    gauge a fraction whatever its name says, the token counter under either of its names."""
+    registry = CollectorRegistry()
+
+    def gauge(name: str, value: float) -> None:
+        Gauge(name, f"{name}.", registry=registry).set(value)
+
+    _histogram(registry, "time_to_first_token_latency_milliseconds", {})
+    gauge("num_running_requests", reading.running)
+    gauge("num_waiting_requests", reading.waiting)
+    gauge(kv_name, reading.kv)
+    registry.register(_NamedCounter(generated_name, reading.generated))
+    _histogram(registry, "inter_token_latency_milliseconds", {})
+    return generate_latest(registry).decode()
 
 
 # --- parse_engine_metrics -----------------------------------------------------------------------
@@ -190,6 +284,64 @@ def test_cpu_kv_usage_is_read_where_vllm_exports_it() -> None:
 )
 def test_the_engines_generated_token_counter_is_read(text: str, expected: float | None) -> None:
     assert parse_engine_metrics(text).generation_tokens == expected
+
+
+def _expected(reading: Reading, max_batch: float | None = None) -> EngineMetrics:
+    return EngineMetrics(
+        running=reading.running,
+        waiting=reading.waiting,
+        kv_usage=reading.kv,
+        generation_tokens=reading.generated,
+        max_batch=max_batch,
+    )
+
+
+@pytest.mark.parametrize(
+    ("max_active", "max_static", "cap"),
+    [
+        pytest.param(64.0, 256.0, 64.0, id="max-active-requests"),
+        pytest.param(None, 256.0, 256.0, id="static-batch-size-else"),
+        pytest.param(0.0, 256.0, 256.0, id="zero-active-is-no-cap"),
+        pytest.param(None, None, None, id="no-cap-exported"),
+    ],
+)
+def test_a_tensorrt_llm_page_is_read(
+    max_active: float | None, max_static: float | None, cap: float | None
+) -> None:
+    reading = Reading(running=9.0, waiting=3.0, kv=0.625, generated=98765.0)
+    page = trtllm_page(reading, max_active=max_active, max_static=max_static)
+    assert "# TYPE trtllm_num_requests_running gauge" in page  # the page's real shape
+    assert parse_engine_metrics(page) == _expected(reading, cap)
+
+
+@pytest.mark.parametrize("kv_name", ["kv_cache_utilization_perc", "kv_cache_utilization"])
+@pytest.mark.parametrize(
+    "generated_name", ["num_generated_tokens_total", "num_processing_tokens_total_generated"]
+)
+def test_an_xllm_page_is_read(kv_name: str, generated_name: str) -> None:
+    reading = Reading(running=4.0, waiting=1.0, kv=0.5, generated=4321.0)
+    page = xllm_page(reading, kv_name=kv_name, generated_name=generated_name)
+    assert parse_engine_metrics(page) == _expected(reading)
+
+
+def test_vllm_names_win_over_engines_read_after_it() -> None:
+    vllm = VLLM_TEXT + f"vllm:generation_tokens_total{{{_L}}} 77.0\n"
+    page = vllm + xllm_page(Reading(running=1.0, waiting=0.0, kv=0.9, generated=1.0))
+    assert parse_engine_metrics(page) == parse_engine_metrics(vllm)
+
+
+def test_a_longer_name_that_begins_with_a_wanted_one_is_not_read_as_it() -> None:
+    """xLLM's names have no prefix: the scan for `num_running_requests` also finds lines of
+    metrics named after it, and only the exact name counts."""
+    text = (
+        'num_running_requests_per_dp{dp="0"} 90\n'
+        "num_running_requests 3\n"
+        'kv_cache_utilization_perc_bucket{le="0.5"} 7\n'
+        "kv_cache_utilization 0.75\n"
+        "kv_cache_utilization_perc 0.25\n"
+        "num_waiting_requests_total 50\n"
+    )
+    assert parse_engine_metrics(text) == EngineMetrics(running=3.0, kv_usage=0.25)
 
 
 def test_kv_usage_of_two_engines_stays_a_fraction() -> None:
@@ -542,3 +694,53 @@ async def test_a_failed_request_probes_its_engine_at_once(serve: ServeFn) -> Non
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
+
+
+async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(
+    serve_app: ServeApp, http: aiohttp.ClientSession
+) -> None:
+    """`trtllm-serve` answers /prometheus/metrics and 404 at /metrics: a pod discovered with
+    engine `trtllm` is scraped there, and its page's values reach the pool (running, waiting,
+    KV usage, the token counter, and the batch cap the engine exports)."""
+    readings = [Reading(running=6.0, waiting=1.0, kv=0.25, generated=1000.0)]
+    cap = 48
+    paths: list[str] = []
+
+    async def page(request: web.Request) -> web.Response:
+        paths.append(request.path)
+        return web.Response(
+            text=trtllm_page(readings[-1], max_active=cap), content_type="text/plain"
+        )
+
+    app = web.Application()
+    app.router.add_get("/prometheus/metrics", page)
+    port = await serve_app(app)
+    entries = [
+        {"name": "trt", "address": "127.0.0.1", "port": port, "engine": "trtllm"},
+        # The same page scraped where other engines serve theirs: 404, a failed scrape.
+        {"name": "vl", "address": "127.0.0.1", "port": port + 1, "metricsPort": port},
+    ]
+    trt, elsewhere = parse_pods({"models": {MODEL: {"pods": entries}}}, "pods.yaml")
+    estimator = CapacityEstimator()
+    pool = PodPool(estimator, metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([trt, elsewhere])
+    clock = FakeClock()
+    scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=clock)
+
+    await scraper.tick(http)
+    readings.append(Reading(running=7.0, waiting=3.0, kv=0.5, generated=1250.0))
+    clock.now += 1.0
+    await scraper.tick(http)
+
+    assert paths == ["/prometheus/metrics"] * 2
+    assert scraper.errors_total == {elsewhere.key: 2}
+    last = readings[-1]
+    snapshot = pool.snapshot(clock.now)["pods"][trt.key]
+    engine = {k: snapshot["engine"][k] for k in ("running", "waiting", "kv_usage")}
+    assert engine == {"running": last.running, "waiting": last.waiting, "kv_usage": last.kv}
+    assert (snapshot["saturation"], snapshot["saturation_source"]) == (cap, "engine")
+    assert snapshot["token_source"] == "engine"
+    assert estimator.total(trt.key) == last.generated - readings[0].generated
+    (candidate,) = pool.candidates(MODEL, clock.now)  # the other pod is out of rotation
+    assert (candidate.pod, candidate.waiting, candidate.kv_usage) == (trt, last.waiting, last.kv)
+    assert candidate.saturation == cap  # exact, as a declared cap

@@ -52,6 +52,10 @@ def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Can
     for p in healthy:
         scraped = pool.scraped(p.key)
         fresh = scraped is not None and now <= scraped[1]
+        # Full at the cap; a learned one plus its 1/64 slack (at least 1).
+        full_at = pool.saturation(p.key)
+        if full_at is not None and pool.saturation_source(p.key) == "learned":
+            full_at += max(1, full_at // 64)
         out.append(
             Candidate(
                 p,
@@ -59,7 +63,7 @@ def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Can
                 scraped[0].waiting if fresh and scraped else None,
                 scraped[0].kv_usage if fresh and scraped else None,
                 pool.capacity(p.key),
-                pool.saturation(p.key),
+                full_at,
                 cpu_kv_usage=scraped[0].cpu_kv_usage if fresh and scraped else None,
             )
         )
@@ -133,6 +137,8 @@ def test_view_and_indexes_match_the_plain_pass(seed: int, n: int) -> None:
             metrics = EngineMetrics(
                 running, rng.choice(WAITING), rng.choice(KV), rng.choice((None, 0.0, 0.3, 0.3))
             )
+            if rng.random() < 0.2:  # an engine that exports its batch cap (TensorRT-LLM)
+                metrics = dataclasses.replace(metrics, max_batch=rng.choice((0.0, 2.0, 3.0)))
             pool.update_metrics(target.key, metrics, now)
         elif roll < 0.72:
             pool.credit_tokens(target.key, rng.choice((100, 100, 700)))

@@ -11,6 +11,7 @@ File shape (models and their pods; every pod field but name/address/port is opti
             port: 8000
             metricsPort: 8000         # default: port
             engine: vllm              # default vllm
+            metricsPath: /metrics     # default /metrics; /prometheus/metrics for engine trtllm
             ready: true               # default true
             labels: {gpu: a100}
 """
@@ -59,6 +60,26 @@ class PodSource(Protocol):
 def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
         raise ConfigError(f"{what} must be a port number, got {value!r}")
+    return value
+
+
+# TensorRT-LLM's `trtllm-serve` serves its Prometheus page at this path, not /metrics. Only the
+# engine name `trtllm` gets it by default (AIBrix's `model.aibrix.ai/engine` value for it); any
+# other spelling is not guessed at, its pod sets the path (`metricsPath`, `prometheus.io/path`).
+TRTLLM_METRICS_PATH = "/prometheus/metrics"
+
+
+def default_metrics_path(engine: str) -> str:
+    """Where an engine serves its metrics when its pod does not say."""
+    return TRTLLM_METRICS_PATH if engine == "trtllm" else "/metrics"
+
+
+def _metrics_path(value: Any, what: str) -> str | None:
+    """A metrics page path (`metricsPath`): a string starting with "/", or absent."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ConfigError(f'{what} must be an HTTP path starting with "/", got {value!r}')
     return value
 
 
@@ -121,6 +142,8 @@ def parse_pods(
             if not isinstance(labels, dict):
                 raise ConfigError(f"{where}.labels must be a mapping")
             max_num_seqs = _batch_cap(entry.get("maxNumSeqs"), f"{where}.maxNumSeqs") or model_cap
+            engine = str(entry.get("engine") or "vllm")
+            metrics_path = _metrics_path(entry.get("metricsPath"), f"{where}.metricsPath")
             pod = Pod(
                 name=name,
                 namespace=str(entry.get("namespace") or "default"),
@@ -128,12 +151,13 @@ def parse_pods(
                 address=address,
                 port=port,
                 metrics_port=metrics_port,
-                engine=str(entry.get("engine") or "vllm"),
+                engine=engine,
                 ready=ready,
                 labels={str(k): str(v) for k, v in labels.items()},
                 deployment=str(labels[deployment_label]) if labels.get(deployment_label) else None,
                 model_config=config,
                 max_num_seqs=max_num_seqs,
+                metrics_path=metrics_path or default_metrics_path(engine),
             )
             if pod.key in seen:
                 raise ConfigError(f"{where}: pod {pod.key} listed twice")

@@ -36,7 +36,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
-from plugin.adapters.discovery import PodsCallback, model_config_from
+from plugin.adapters.discovery import PodsCallback, default_metrics_path, model_config_from
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.config_profile import CONFIG_ANNOTATION
 from plugin.core.types import Pod
@@ -44,6 +44,7 @@ from plugin.errors import ConfigError
 
 __all__ = [
     "ENGINE_KEY",
+    "METRICS_PATH_KEY",
     "METRIC_PORT_KEY",
     "MODEL_KEY",
     "PORT_KEY",
@@ -62,6 +63,9 @@ ENGINE_KEY = "model.aibrix.ai/engine"
 # The engine's batch cap, when its flags do not say it (label or annotation; this project's own
 # key: AIBrix defines none).
 MAX_NUM_SEQS_KEY = "hetero-gateway.io/max-num-seqs"
+# The path of the pod's metrics page, as Prometheus's common scrape annotation names it
+# (default: where its engine serves it, `discovery.default_metrics_path`).
+METRICS_PATH_KEY = "prometheus.io/path"
 # Engine flags that set the batch cap: vLLM's, SGLang's.
 _BATCH_CAP_FLAGS = ("--max-num-seqs", "--max-running-requests")
 DEFAULT_PORT = 8000
@@ -149,6 +153,8 @@ def pod_from_object(
     terminating = metadata.get("deletionTimestamp") is not None
     config = annotations.get(CONFIG_ANNOTATION)
     max_num_seqs = _declared_cap(setting(MAX_NUM_SEQS_KEY), metadata) or _flag_cap(obj)
+    engine = setting(ENGINE_KEY) or DEFAULT_ENGINE
+    metrics_path = _declared_path(annotations.get(METRICS_PATH_KEY) or None, metadata)
     return Pod(
         name=str(metadata["name"]),
         namespace=str(metadata["namespace"]),
@@ -156,13 +162,29 @@ def pod_from_object(
         address=address,
         port=port,
         metrics_port=metrics_port,
-        engine=setting(ENGINE_KEY) or DEFAULT_ENGINE,
+        engine=engine,
         ready=not terminating and _is_ready(status),
         labels=labels,
         deployment=labels.get(deployment_label) or None,
         model_config=model_config_from(config) if config else None,
         max_num_seqs=max_num_seqs,
+        metrics_path=metrics_path or default_metrics_path(engine),
     )
+
+
+def _declared_path(raw: str | None, metadata: Mapping[str, Any]) -> str | None:
+    """The `METRICS_PATH_KEY` annotation; one not starting with "/" is logged and left out (the
+    engine's default path is scraped: the pod still serves)."""
+    if raw is None or raw.startswith("/"):
+        return raw
+    log.warning(
+        'pod %s/%s: %s must be an HTTP path starting with "/", got %r; ignored',
+        metadata.get("namespace"),
+        metadata.get("name"),
+        METRICS_PATH_KEY,
+        raw,
+    )
+    return None
 
 
 def _declared_cap(raw: str | None, metadata: Mapping[str, Any]) -> int | None:

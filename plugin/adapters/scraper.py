@@ -1,4 +1,4 @@
-"""Engine metrics scraper: every refresh interval, GET each pod's /metrics concurrently.
+"""Engine metrics scraper: every refresh interval, GET each pod's metrics page concurrently.
 
 A failing engine endpoint is logged (once per failure streak) and simply leaves that pod's
 metrics to go stale; nothing on the request path waits for a scrape. Capacity estimates refresh
@@ -22,21 +22,55 @@ from plugin.core.types import EngineMetrics, Pod
 
 log = logging.getLogger(__name__)
 
-# Sample names per engine field, first match wins (vLLM, older vLLM, SGLang).
-_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+# Sample names per engine field, first match wins: vLLM (then older vLLM), SGLang, TensorRT-LLM
+# (`trtllm-serve`, tensorrt_llm/metrics/collector.py), xLLM (common/metrics.cpp: no prefix).
+_RUNNING = (
+    "vllm:num_requests_running",
+    "sglang:num_running_reqs",
+    "trtllm_num_requests_running",
+    "num_running_requests",
+)
+_WAITING = (
+    "vllm:num_requests_waiting",
+    "sglang:num_queue_reqs",
+    "trtllm_num_requests_waiting",
+    "num_waiting_requests",
+)
+# Every one a fraction 0..1, xLLM's `_perc` too (used / total blocks); `kv_cache_utilization` is
+# the older xLLM name AIBrix reads (pkg/metrics/metrics.go).
+_KV = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "sglang:token_usage",
+    "trtllm_kv_cache_utilization",
+    "kv_cache_utilization_perc",
+    "kv_cache_utilization",
+)
 _CPU_KV = ("vllm:cpu_cache_usage_perc",)  # vLLM with KV offloading to CPU
 # Cumulative output tokens the engine generated: vLLM counts them per step, SGLang when a
-# request finishes; either is exact, and reading it costs nothing per token.
-_GENERATED = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
-_WANTED = frozenset(_RUNNING + _WAITING + _KV + _CPU_KV + _GENERATED)
+# request finishes; either is exact, and reading it costs nothing per token. xLLM's counter has
+# had two names.
+_GENERATED = (
+    "vllm:generation_tokens_total",
+    "sglang:generation_tokens_total",
+    "trtllm_generation_tokens_total",
+    "num_generated_tokens_total",
+    "num_processing_tokens_total_generated",
+)
+# The batch cap the engine exports (TensorRT-LLM only): its executor's maximum number of active
+# requests, else its configured max batch size. A 0 (not reported yet) is no cap.
+_MAX_BATCH = ("trtllm_max_num_active_requests", "trtllm_max_batch_size_static")
+_WANTED = frozenset(_RUNNING + _WAITING + _KV + _CPU_KV + _GENERATED + _MAX_BATCH)
 # Labels that name a tensor-parallel rank: ranks of one engine report the same tokens, so label
 # sets that differ only there are one engine (the largest value is kept), not several.
 _RANK_LABELS = frozenset({"tp", "tp_rank"})
 # A real vLLM page is hundreds of lines (histograms per model); parsing all of it in pure Python
 # on the event loop that answers Envoy costs tens of ms per pod. Only the wanted lines are parsed.
-_WANTED_PREFIXES = tuple(sorted(_WANTED))
+# A name that begins with another wanted name (`kv_cache_utilization_perc`) is found by that
+# one's scan; the parser then keeps exact names only, so a longer name never counts as a shorter.
+_WANTED_PREFIXES = tuple(
+    sorted(n for n in _WANTED if not any(n != m and n.startswith(m) for m in _WANTED))
+)
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 # Scrapes in flight at once. The bound is ours, not the connector's: aiohttp's own connection
 # limit makes every released connection shuffle the queue of waiting hosts, which at a thousand
@@ -68,9 +102,9 @@ def wanted_lines(text: str) -> str:
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """Combine each wanted sample across label sets (one pod may label by model or by engine).
 
-    Request and token counts add up; KV usage is a fraction, so label sets (say, data-parallel
-    engines) are averaged. Token counters of tensor-parallel ranks of one engine count once. A
-    NaN label set is skipped rather than spoiling the others.
+    Request and token counts (and batch caps) add up; KV usage is a fraction, so label sets
+    (say, data-parallel engines) are averaged. Token counters of tensor-parallel ranks of one
+    engine count once. A NaN label set is skipped rather than spoiling the others.
     """
     found: dict[str, list[float]] = {}
     generated: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
@@ -78,7 +112,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         for sample in family.samples:
             if sample.name in _WANTED:
                 value = float(sample.value)
-                if math.isnan(value):
+                if math.isnan(value) or (value < 1 and sample.name in _MAX_BATCH):
                     continue
                 if sample.name in _GENERATED:
                     engine = tuple(
@@ -104,6 +138,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         kv_usage=first(_KV, mean=True),
         cpu_kv_usage=first(_CPU_KV, mean=True),
         generation_tokens=first(_GENERATED),
+        max_batch=first(_MAX_BATCH),
     )
 
 
@@ -125,16 +160,16 @@ class MetricsScraper:
         self._probing: set[str] = set()
         self._probes: set[asyncio.Task[None]] = set()  # held: a task must not be collected
         self.errors_total: dict[str, int] = {}
-        # Parsed once per pod address: building a URL from text on every scrape of every pod
-        # is a noticeable share of a tick at a thousand pods.
-        self._urls: dict[tuple[str, int], URL] = {}
+        # Parsed once per pod address and path: building a URL from text on every scrape of
+        # every pod is a noticeable share of a tick at a thousand pods.
+        self._urls: dict[tuple[str, int, str], URL] = {}
 
     def _url(self, pod: Pod) -> URL:
-        where = (pod.address, pod.metrics_port)
+        where = (pod.address, pod.metrics_port, pod.metrics_path)
         url = self._urls.get(where)
         if url is None:
             host = f"[{pod.address}]" if ":" in pod.address else pod.address
-            url = self._urls[where] = URL(f"http://{host}:{pod.metrics_port}/metrics")
+            url = self._urls[where] = URL(f"http://{host}:{pod.metrics_port}{pod.metrics_path}")
         return url
 
     async def _scrape(self, session: aiohttp.ClientSession, pod: Pod) -> None:
@@ -191,7 +226,7 @@ class MetricsScraper:
             self._pool.refresh_capacity(self._clock())
         present = {p.key for p in pods}
         if len(self._urls) > 2 * len(pods) + 64:  # addresses of pods long gone
-            self._urls = {(p.address, p.metrics_port): self._url(p) for p in pods}
+            self._urls = {(p.address, p.metrics_port, p.metrics_path): self._url(p) for p in pods}
         for key in self.errors_total.keys() - present:
             del self.errors_total[key]
         self._failing &= present

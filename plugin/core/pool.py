@@ -132,6 +132,7 @@ class PodPool:
         "_capacity",
         "_counted",
         "_ejection",
+        "_engine_caps",
         "_engine_tokens",
         "_estimated",
         "_health",
@@ -187,6 +188,9 @@ class PodPool:
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
         self._saturation: dict[str, _Cap] = {}  # learned batch caps
+        # Batch caps the engines export (TensorRT-LLM), as last scraped: for a pod that declares
+        # none, one counts as declared (exact, nothing learned).
+        self._engine_caps: dict[str, int] = {}
         self._queue_streak: dict[str, tuple[float, int]] = {}  # (top running, scrapes in a row)
         self._peak_running: dict[str, float] = {}
         self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
@@ -221,6 +225,7 @@ class PodPool:
         for key in self._pods.keys() - new.keys():
             self._metrics.pop(key, None)
             self._saturation.pop(key, None)
+            self._engine_caps.pop(key, None)
             self._queue_streak.pop(key, None)
             self._peak_running.pop(key, None)
             self._capacity.forget(key)
@@ -497,6 +502,7 @@ class PodPool:
             self._mark_dirty(key)
         scraped = self._metrics[key] = _Scraped(metrics, now, now + self._metrics_max_age_s)
         self._learn_generated(key, metrics.generation_tokens)
+        self._read_engine_cap(key, metrics.max_batch)
         self._learn_saturation(key, metrics, now)
         state, order = self._slot[key]
         candidate = state.view.slots[order]
@@ -534,9 +540,21 @@ class PodPool:
         if gained > 0:
             self._capacity.add_tokens(key, round(gained))
 
+    def _read_engine_cap(self, key: str, cap: float | None) -> None:
+        """Keep the batch cap the engine exports, if it exports one (a finite number >= 1); what
+        was learned before it did is dropped. An engine that stops exporting it (a restart with
+        another version) has its cap learned again."""
+        if cap is None or not 1 <= cap < math.inf:
+            self._engine_caps.pop(key, None)
+            return
+        self._engine_caps[key] = int(cap)
+        self._saturation.pop(key, None)
+        self._queue_streak.pop(key, None)
+
     def _learn_saturation(self, key: str, metrics: EngineMetrics, now: float) -> None:
         """An engine at its batch cap keeps a queue while running the most it has ever run:
-        that number is its cap (unless the pod declares one: `Pod.max_num_seqs` wins).
+        that number is its cap (unless the pod declares one, `Pod.max_num_seqs`, or its engine
+        exports one: either wins).
 
         - Learned (or corrected) when a queue shows in `saturation_scrapes` scrapes in a row
           (4 by default) with the running count at the engine's peak in the first and never
@@ -560,7 +578,7 @@ class PodPool:
         if running is None or waiting is None or not 1 <= running < math.inf:  # NaN, inf
             return
         pod = self._pods[key]
-        if pod.max_num_seqs is not None:
+        if pod.max_num_seqs is not None or key in self._engine_caps:
             return
         peak = self._peak_running.get(key, 0.0)
         if running > peak:
@@ -705,22 +723,36 @@ class PodPool:
 
     def _full_at(self, key: str) -> int | None:
         """The in-flight count at which the full-batch rule passes a replica over: its declared
-        cap, or its learned cap plus a 1/64 slack. A learned cap can read a request or two low (a
-        full engine scraped just after some requests finished); fenced exactly there, the engine
-        would never run its real batch and the cap would never be raised to it."""
+        cap (or the one its engine exports), or its learned cap plus a 1/64 slack. A learned cap
+        can read a request or two low (a full engine scraped just after some requests finished);
+        fenced exactly there, the engine would never run its real batch and the cap would never
+        be raised to it."""
         cap = self.saturation(key)
-        pod = self._pods.get(key)
-        if cap is None or (pod is not None and pod.max_num_seqs is not None):
+        if cap is None or self.saturation_source(key) != "learned":
             return cap
         return cap + max(1, cap // 64)
 
     def saturation(self, key: str) -> int | None:
-        """The engine's batch cap: declared by its pod, else learned; None while unknown."""
+        """The engine's batch cap: declared by its pod, else exported by its engine, else
+        learned; None while unknown."""
         pod = self._pods.get(key)
         if pod is not None and pod.max_num_seqs is not None:
             return pod.max_num_seqs
+        exported = self._engine_caps.get(key)
+        if exported is not None:
+            return exported
         entry = self._saturation.get(key)
         return None if entry is None else entry.value
+
+    def saturation_source(self, key: str) -> str | None:
+        """Where `saturation` comes from: `declared` (the pod says: pods file, annotation,
+        engine flag), `engine` (the engine's metrics export it), `learned`, or None (unknown)."""
+        pod = self._pods.get(key)
+        if pod is not None and pod.max_num_seqs is not None:
+            return "declared"
+        if key in self._engine_caps:
+            return "engine"
+        return "learned" if key in self._saturation else None
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """JSON-ready view for /debug/pods and tests."""
@@ -748,10 +780,7 @@ class PodPool:
                 "token_source": self.token_source(key),
                 "capacity_tokens_per_s": self.capacity(key),
                 "saturation": self.saturation(key),
-                # declared (the pod says: pods file, annotation, engine flag) or learned
-                "saturation_source": "declared"
-                if pod.max_num_seqs is not None
-                else ("learned" if key in self._saturation else None),
+                "saturation_source": self.saturation_source(key),
                 "ejected": self.ejected(key, now),
                 "unreachable": key in self._unreachable,
                 "engine": None

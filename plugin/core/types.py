@@ -37,9 +37,12 @@ class Pod:
     # discovery; None without one (`plugin.core.config_profile`).
     model_config: ModelConfig | None = field(default=None, repr=False)
     # The engine's batch cap as declared (the pods file's `maxNumSeqs`, the pod's annotation or
-    # its engine's `--max-num-seqs` / `--max-running-requests` flag); None: learned from its
-    # metrics instead.
+    # its engine's `--max-num-seqs` / `--max-running-requests` flag); None: read from its
+    # metrics instead (the cap its engine exports, else learned).
     max_num_seqs: int | None = None
+    # The HTTP path of the engine's Prometheus page on `metrics_port`: TensorRT-LLM's
+    # `trtllm-serve` serves it at /prometheus/metrics, the others at /metrics.
+    metrics_path: str = "/metrics"
     key: str = field(init=False, repr=False, compare=False)
     # IP:PORT as Envoy's ORIGINAL_DST cluster reads it from `target-pod`.
     endpoint: str = field(init=False, repr=False, compare=False)
@@ -62,6 +65,9 @@ class EngineMetrics:
     # `*:generation_tokens_total`): where exported, capacity is learned from its increase per
     # scrape, exactly and with no per-token cost at the gateway.
     generation_tokens: float | None = None
+    # The batch cap the engine exports (TensorRT-LLM's `trtllm_max_num_active_requests`): where
+    # the pod declares none, it counts as declared (`PodPool.saturation`).
+    max_batch: float | None = None
 
 
 @dataclass(slots=True)
@@ -73,8 +79,9 @@ class Candidate:
     waiting: float | None  # engine queue; None when unknown or stale
     kv_usage: float | None  # 0..1; None when unknown, stale or NaN
     capacity: float | None  # learned output tokens/s; None before the first estimate
-    # In-flight requests at which the engine's batch is full: its declared cap, or its learned
-    # cap plus a 1/64 slack (`PodPool._full_at`); None while no cap is known.
+    # In-flight requests at which the engine's batch is full: its declared cap (or the one its
+    # engine exports), or its learned cap plus a 1/64 slack (`PodPool._full_at`); None while no
+    # cap is known.
     saturation: int | None = None
     # Share of the pod this gateway's requests take by their strategies' accounting (SLO
     # routing: 1.0 is full); 0 when no strategy accounts for load.
