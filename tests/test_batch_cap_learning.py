@@ -29,14 +29,22 @@ def _learned_caps(
     kv_tokens: int = 10**9,
     duration_s: float = 900.0,
     scrape_s: float = 1.0,
+    time_scale: float = 1.0,
+    burst: int = 6,
+    histograms: bool = True,
 ) -> list[int]:
-    """Every cap the pool held after a scrape, over `duration_s` simulated seconds."""
-    params = dataclasses.replace(PRESETS["a100"], max_num_seqs=CAP, kv_tokens=kv_tokens)
+    """Every cap the pool held after a scrape, over `duration_s` simulated seconds.
+
+    `burst`: mean requests per burst of arrivals (1: Poisson); `histograms`: the engine's
+    queue-time and inter-token-latency histograms reach the pool, as vLLM's do."""
+    params = dataclasses.replace(
+        PRESETS["a100"], max_num_seqs=CAP, kv_tokens=kv_tokens, time_scale=time_scale
+    )
     engine = BatchScheduler(params)
     pool = PodPool(CapacityEstimator())
     pool.set_pods([POD])
     rng = random.Random(seed)
-    output, prompt, burst = (50, 350), 200, 6  # tokens; mean requests per burst
+    output, prompt = (50, 350), 200  # tokens
     at_cap_rps = CAP / (sum(output) / 2 * step_duration_s(params, CAP))
     bursts_per_s = load * at_cap_rps / burst
     arrivals: list[float] = []
@@ -48,8 +56,15 @@ def _learned_caps(
     heapq.heapify(arrivals)
     caps: list[int] = []
     now, next_scrape, seq = 0.0, scrape_s, 0
+    arrived: dict[object, float] = {}
+    queue_sum = queue_count = latency_sum = latency_count = 0.0
     while now < duration_s:
         result = engine.step(now)
+        for admitted in result.admitted:
+            queue_sum += now - arrived.pop(admitted)
+            queue_count += 1
+        latency_sum += result.duration_s * len(result.emitted)
+        latency_count += len(result.emitted)
         if result.duration_s > 0:
             end = now + result.duration_s
         else:  # idle until the next arrival (scrapes on the way still read it)
@@ -60,13 +75,20 @@ def _learned_caps(
             if min(first_arrival, next_scrape) >= end:
                 break
             if first_arrival <= next_scrape:
-                heapq.heappop(arrivals)
-                seq += 1
+                arrived[seq := seq + 1] = heapq.heappop(arrivals)
                 engine.submit(seq, prompt, rng.randint(*output))
             else:
                 metrics = EngineMetrics(
                     running=engine.num_running, waiting=engine.num_waiting, kv_usage=engine.kv_usage
                 )
+                if histograms:
+                    metrics = dataclasses.replace(
+                        metrics,
+                        queue_time_sum=queue_sum,
+                        queue_time_count=queue_count,
+                        token_latency_sum=latency_sum,
+                        token_latency_count=latency_count,
+                    )
                 pool.update_metrics(POD.key, metrics, next_scrape)
                 cap = pool.saturation(POD.key)
                 if cap is not None:
@@ -99,4 +121,64 @@ def test_an_engine_held_at_its_cap_is_learned_at_its_cap() -> None:
     """Over capacity, the engine runs its cap with a queue scrape after scrape: that is learned,
     and exactly (the cap is what the full-batch rule needs)."""
     caps = _learned_caps(1.3, 3, duration_s=300.0)
+    assert caps and caps[-1] == CAP and min(caps) >= CAP - AT_CAP_READING
+
+
+def _scrapes(pool: PodPool, waits_in_steps: float, scrapes: int = 8) -> int | None:
+    """Scrapes of an engine steady at 231 running with 3 waiting, whose requests admitted
+    between scrapes (10 a second) waited `waits_in_steps` steps of 0.16 s each on average."""
+    step, admitted, tokens = 0.16, 10, 231 / 0.16
+    queue = latency = 0.0
+    for k in range(1, scrapes + 1):
+        queue += admitted * waits_in_steps * step
+        latency += tokens * step
+        pool.update_metrics(
+            POD.key,
+            EngineMetrics(
+                running=231.0,
+                waiting=3.0,
+                kv_usage=0.5,
+                queue_time_sum=queue,
+                queue_time_count=float(admitted * k),
+                token_latency_sum=latency,
+                token_latency_count=tokens * k,
+            ),
+            float(k),
+        )
+    return pool.saturation(POD.key)
+
+
+@pytest.mark.parametrize(("waits", "learned"), [(0.5, None), (1.5, None), (3.0, 231), (8.0, 231)])
+def test_a_queue_counts_only_where_the_engine_says_it_held_requests_for_steps(
+    waits: float, learned: int | None
+) -> None:
+    """With long steps under heavy load nearly every scrape finds a few requests waiting for the
+    next step while the running count holds still (the `up` demo learned 231 of 256 that way).
+    vLLM's queue-time histogram says how long the admitted requests waited: half a step is the
+    next step, several steps a full batch."""
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([POD])
+    assert _scrapes(pool, waits) == learned
+    # without the histograms, the same scrapes are read as a cap (the rule before them)
+    blind = PodPool(CapacityEstimator())
+    blind.set_pods([POD])
+    for k in range(1, 9):
+        blind.update_metrics(POD.key, EngineMetrics(231.0, 3.0, 0.5), float(k))
+    assert blind.saturation(POD.key) == 231
+
+
+def test_a_queue_that_admits_nobody_between_scrapes_is_held() -> None:
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([POD])
+    for k in range(1, 6):
+        latency = {"token_latency_sum": 10.0 * k, "token_latency_count": 1000.0 * k}
+        metrics = EngineMetrics(
+            231.0, 3.0, 0.5, queue_time_sum=5.0, queue_time_count=50.0, **latency
+        )
+        pool.update_metrics(POD.key, metrics, float(k))
+    assert pool.saturation(POD.key) == 231
+
+
+def test_a_cap_held_at_long_steps_is_still_learned() -> None:
+    caps = _learned_caps(1.3, 1, duration_s=300.0, time_scale=4.0, burst=1)
     assert caps and caps[-1] == CAP and min(caps) >= CAP - AT_CAP_READING

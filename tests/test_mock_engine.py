@@ -583,6 +583,9 @@ async def test_metrics_track_in_flight_state(
         m["vllm:time_per_output_token_seconds_sum"] / m["vllm:time_per_output_token_seconds_count"]
     )
     assert 0.01 < mean_tpot < 1.0
+    # Two were admitted at once; the third waited for a slot, about 20 steps.
+    assert m["vllm:request_queue_time_seconds_count"] == 3
+    assert 10 * mean_tpot < m["vllm:request_queue_time_seconds_sum"] < 30 * mean_tpot
 
 
 @pytest.mark.parametrize(

@@ -116,10 +116,13 @@ class Reading:
     generated: float = 1234.0
 
 
+_OBSERVED = (0.02, 0.3, 1.7)  # seconds each histogram of a built page holds
+
+
 def _histogram(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> None:
     """A latency histogram with a few observations: the bulk of a real page."""
     histogram = Histogram(name, "Latency.", list(labels), registry=registry)
-    for seconds in (0.02, 0.3, 1.7):
+    for seconds in _OBSERVED:
         (histogram.labels(**labels) if labels else histogram).observe(seconds)
 
 
@@ -148,6 +151,7 @@ def trtllm_page(
     ).labels(**labels, finished_reason="stop").inc(42)
     _histogram(registry, "trtllm_e2e_request_latency_seconds", labels)
     _histogram(registry, "trtllm_time_to_first_token_seconds", labels)
+    _histogram(registry, "trtllm_request_queue_time_seconds", labels)
     gauge("trtllm_num_requests_running", reading.running)
     gauge("trtllm_num_requests_waiting", reading.waiting)
     gauge("trtllm_kv_cache_utilization", reading.kv)
@@ -286,13 +290,22 @@ def test_the_engines_generated_token_counter_is_read(text: str, expected: float 
     assert parse_engine_metrics(text).generation_tokens == expected
 
 
-def _expected(reading: Reading, max_batch: float | None = None) -> EngineMetrics:
+def _expected(
+    reading: Reading, max_batch: float | None = None, *, histograms: bool = False
+) -> EngineMetrics:
+    """What a built page parses to; `histograms`: its queue-time and per-token latency
+    histograms are read too (TensorRT-LLM exports both)."""
+    held = (sum(_OBSERVED), float(len(_OBSERVED))) if histograms else (None, None)
     return EngineMetrics(
         running=reading.running,
         waiting=reading.waiting,
         kv_usage=reading.kv,
         generation_tokens=reading.generated,
         max_batch=max_batch,
+        queue_time_sum=held[0],
+        queue_time_count=held[1],
+        token_latency_sum=held[0],
+        token_latency_count=held[1],
     )
 
 
@@ -311,7 +324,7 @@ def test_a_tensorrt_llm_page_is_read(
     reading = Reading(running=9.0, waiting=3.0, kv=0.625, generated=98765.0)
     page = trtllm_page(reading, max_active=max_active, max_static=max_static)
     assert "# TYPE trtllm_num_requests_running gauge" in page  # the page's real shape
-    assert parse_engine_metrics(page) == _expected(reading, cap)
+    assert parse_engine_metrics(page) == _expected(reading, cap, histograms=True)
 
 
 @pytest.mark.parametrize("kv_name", ["kv_cache_utilization_perc", "kv_cache_utilization"])
@@ -744,3 +757,25 @@ async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(
     (candidate,) = pool.candidates(MODEL, clock.now)  # the other pod is out of rotation
     assert (candidate.pod, candidate.waiting, candidate.kv_usage) == (trt, last.waiting, last.kv)
     assert candidate.saturation == cap  # exact, as a declared cap
+
+
+def test_vllm_queue_time_and_token_latency_histograms_are_read_by_sum_and_count() -> None:
+    """The newer inter-token latency name wins over the deprecated time-per-output-token one;
+    data-parallel label sets add up."""
+    page = (
+        "# TYPE vllm:request_queue_time_seconds histogram\n"
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.3"} 4.0\n'
+        'vllm:request_queue_time_seconds_sum{engine="0"} 1.5\n'
+        'vllm:request_queue_time_seconds_count{engine="0"} 4.0\n'
+        'vllm:request_queue_time_seconds_sum{engine="1"} 0.5\n'
+        'vllm:request_queue_time_seconds_count{engine="1"} 6.0\n'
+        'vllm:time_per_output_token_seconds_sum{engine="0"} 99.0\n'
+        'vllm:time_per_output_token_seconds_count{engine="0"} 99.0\n'
+        'vllm:inter_token_latency_seconds_sum{engine="0"} 2.5\n'
+        'vllm:inter_token_latency_seconds_count{engine="0"} 100.0\n'
+    )
+    m = parse_engine_metrics(page)
+    assert (m.queue_time_sum, m.queue_time_count) == (2.0, 10.0)
+    assert (m.token_latency_sum, m.token_latency_count) == (2.5, 100.0)
+    old = parse_engine_metrics(page.replace("inter_token_latency", "x"))
+    assert (old.token_latency_sum, old.token_latency_count) == (99.0, 99.0)

@@ -60,7 +60,32 @@ _GENERATED = (
 # The batch cap the engine exports (TensorRT-LLM only): its executor's maximum number of active
 # requests, else its configured max batch size. A 0 (not reported yet) is no cap.
 _MAX_BATCH = ("trtllm_max_num_active_requests", "trtllm_max_batch_size_static")
-_WANTED = frozenset(_RUNNING + _WAITING + _KV + _CPU_KV + _GENERATED + _MAX_BATCH)
+# Queue time and inter-token latency histograms' sums and counts (a family's pair, the same
+# order in each tuple): vLLM (newer then older name), TensorRT-LLM.
+_QUEUE_SUM = ("vllm:request_queue_time_seconds_sum", "trtllm_request_queue_time_seconds_sum")
+_QUEUE_COUNT = ("vllm:request_queue_time_seconds_count", "trtllm_request_queue_time_seconds_count")
+_ITL_SUM = (
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:time_per_output_token_seconds_sum",
+    "trtllm_time_per_output_token_seconds_sum",
+)
+_ITL_COUNT = (
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:time_per_output_token_seconds_count",
+    "trtllm_time_per_output_token_seconds_count",
+)
+_WANTED = frozenset(
+    _RUNNING
+    + _WAITING
+    + _KV
+    + _CPU_KV
+    + _GENERATED
+    + _MAX_BATCH
+    + _QUEUE_SUM
+    + _QUEUE_COUNT
+    + _ITL_SUM
+    + _ITL_COUNT
+)
 # Labels that name a tensor-parallel rank: ranks of one engine report the same tokens, so label
 # sets that differ only there are one engine (the largest value is kept), not several.
 _RANK_LABELS = frozenset({"tp", "tp_rank"})
@@ -139,6 +164,10 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         cpu_kv_usage=first(_CPU_KV, mean=True),
         generation_tokens=first(_GENERATED),
         max_batch=first(_MAX_BATCH),
+        queue_time_sum=first(_QUEUE_SUM),
+        queue_time_count=first(_QUEUE_COUNT),
+        token_latency_sum=first(_ITL_SUM),
+        token_latency_count=first(_ITL_COUNT),
     )
 
 

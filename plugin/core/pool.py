@@ -90,6 +90,10 @@ class _Model:
 
 # KV-cache usage at or above which a queue is put down to the KV cache, not to a batch cap.
 KV_BOUND = 0.9
+# Engine steps (mean inter-token latency) the requests admitted since the last scrape must have
+# waited on average for a queue to count as held by a full batch: one that only waits for the
+# next step waits half a step on average.
+HELD_STEPS = 2.0
 
 
 @dataclass(slots=True)
@@ -144,6 +148,7 @@ class PodPool:
         "_peak_running",
         "_pods",
         "_profiles",
+        "_queue_clock",
         "_queue_streak",
         "_remote",
         "_routed",
@@ -192,6 +197,8 @@ class PodPool:
         # none, one counts as declared (exact, nothing learned).
         self._engine_caps: dict[str, int] = {}
         self._queue_streak: dict[str, tuple[float, int]] = {}  # (top running, scrapes in a row)
+        # The engine's queue-time and inter-token-latency sums and counts at the last scrape.
+        self._queue_clock: dict[str, tuple[float, float, float, float]] = {}
         self._peak_running: dict[str, float] = {}
         self._counted: dict[str, int] = {}  # output tokens this gateway counted, per pod
         self._estimated: dict[str, int] = {}  # of those, the ones the engine did not report
@@ -227,6 +234,7 @@ class PodPool:
             self._saturation.pop(key, None)
             self._engine_caps.pop(key, None)
             self._queue_streak.pop(key, None)
+            self._queue_clock.pop(key, None)
             self._peak_running.pop(key, None)
             self._capacity.forget(key)
             self._health.pop(key, None)
@@ -574,6 +582,7 @@ class PodPool:
           low) or queues at the old cap again (it is back at once). A cap nothing presses on
           stays.
         """
+        held_back = self._waited_steps(key, metrics)
         running, waiting = metrics.running, metrics.waiting
         if running is None or waiting is None or not 1 <= running < math.inf:  # NaN, inf
             return
@@ -584,9 +593,13 @@ class PodPool:
         if running > peak:
             self._peak_running[key] = peak = running
         queued = waiting >= 1
+        # Where the engine says how long its queue held requests, only a queue that held them
+        # for steps counts (`HELD_STEPS`): at high load with long steps nearly every scrape
+        # finds a few requests waiting for the next step, at a steady running count.
+        held = queued and held_back is not False
         kv = metrics.kv_usage
         streak, top = 0, running
-        if queued and not (kv is not None and kv >= KV_BOUND):
+        if held and not (kv is not None and kv >= KV_BOUND):
             last = self._queue_streak.get(key)
             if last is not None and last[0] - max(1.0, last[0] / 64) <= running <= last[0]:
                 top, streak = last[0], last[1] + 1  # held at (or just under) the same top
@@ -603,7 +616,7 @@ class PodPool:
             if running > cap.value or (queued and running >= cap.value):
                 cap.value, cap.confirmed, cap.pressed = max(cap.value, int(running)), now, False
                 cap.probed_from = None
-            elif cap.probed_from is not None and queued and running >= cap.probed_from:
+            elif cap.probed_from is not None and held and running >= cap.probed_from:
                 # Probed, and the engine queues at the old cap again (or a little above it: the
                 # old one was read just after some requests finished): back at once.
                 cap.value = max(cap.probed_from, int(running))
@@ -611,12 +624,36 @@ class PodPool:
             else:
                 # Pressed: the gateways hold as many requests on it as the cap lets through and
                 # the engine queues none of them: the cap, not the engine, holds traffic back.
-                held = self._inflight.get(key, 0) + self._remote.get(key, 0)
-                cap.pressed = cap.pressed or (held >= cap.value and not queued)
+                on_pod = self._inflight.get(key, 0) + self._remote.get(key, 0)
+                cap.pressed = cap.pressed or (on_pod >= cap.value and not queued)
                 if cap.pressed and now - cap.confirmed > self._saturation_probe_s:
                     cap.probed_from = cap.value
                     cap.value = max(cap.value + 1, math.ceil(cap.value * 1.25))
                     cap.confirmed, cap.pressed = now, False
+
+    def _waited_steps(self, key: str, metrics: EngineMetrics) -> bool | None:
+        """Did the requests the engine admitted since the last scrape wait `HELD_STEPS` steps or
+        more on average (True also when it admitted none: the queue did not move)? None when
+        the engine does not say (no histograms, a first read, a restart, no step ran)."""
+        qs, qc = metrics.queue_time_sum, metrics.queue_time_count
+        ls, lc = metrics.token_latency_sum, metrics.token_latency_count
+        if qs is None or qc is None or ls is None or lc is None:
+            self._queue_clock.pop(key, None)
+            return None
+        now_sums = (qs, qc, ls, lc)
+        if not all(0 <= v < math.inf for v in now_sums):  # NaN, inf, negative
+            self._queue_clock.pop(key, None)
+            return None
+        last = self._queue_clock.get(key)
+        self._queue_clock[key] = now_sums
+        if last is None:
+            return None
+        waited, admitted, latency, tokens = (a - b for a, b in zip(now_sums, last, strict=True))
+        if min(waited, admitted, latency, tokens) < 0 or tokens <= 0:
+            return None  # a restarted engine, or one that ran no step
+        if admitted <= 0:
+            return True
+        return waited / admitted >= HELD_STEPS * latency / tokens
 
     def refresh_capacity(self, now: float) -> None:
         """End of a scrape tick: capacity estimates move on, and the metrics just read count."""

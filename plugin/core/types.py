@@ -68,6 +68,14 @@ class EngineMetrics:
     # The batch cap the engine exports (TensorRT-LLM's `trtllm_max_num_active_requests`): where
     # the pod declares none, it counts as declared (`PodPool.saturation`).
     max_batch: float | None = None
+    # Cumulative sums and counts of the engine's request queue-time and inter-token-latency
+    # histograms (vLLM's `vllm:request_queue_time_seconds`, `vllm:inter_token_latency_seconds`):
+    # how long the requests admitted between two scrapes waited, in engine steps, tells a queue
+    # held by a full batch from one that waits for the next step (`PodPool._learn_saturation`).
+    queue_time_sum: float | None = None
+    queue_time_count: float | None = None
+    token_latency_sum: float | None = None
+    token_latency_count: float | None = None
 
 
 @dataclass(slots=True)

@@ -50,6 +50,11 @@ _TPOT_BUCKETS: Final = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+# vLLM's request-latency buckets (queue, prefill, decode, e2e times).
+_REQUEST_TIME_BUCKETS: Final = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
 # Lag beyond which the step loop stops catching up (a stalled process should not then burst).
 _MAX_CATCH_UP_S: Final = 0.5
 _SHUTDOWN_TIMEOUT_S: Final = 2.0
@@ -120,6 +125,8 @@ class MockEngine:
         self.request_success_total = 0
         self.ttft = _Histogram(_TTFT_BUCKETS)
         self.tpot = _Histogram(_TPOT_BUCKETS)
+        # From arrival to the start of the step that admitted it (vLLM: WAITING phase).
+        self.queue_time = _Histogram(_REQUEST_TIME_BUCKETS)
         self._requests: dict[Hashable, _Request] = {}
         self._ids = itertools.count()
         self._work = asyncio.Event()
@@ -190,6 +197,10 @@ class MockEngine:
             now = time.monotonic()
             start = deadline if now - deadline <= _MAX_CATCH_UP_S else now
             result = sched.step(start)
+            for seq_id in result.admitted:
+                req = self._requests.get(seq_id)
+                if req is not None:
+                    self.queue_time.observe(max(0.0, start - req.arrival))
             deadline = result.end
             # Always yield, even when late, so handlers run between back-to-back steps.
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -269,6 +280,11 @@ class _EngineCollector:
             "vllm:time_to_first_token_seconds",
             "Seconds from arrival to the first token.",
             engine.ttft,
+        )
+        yield histogram(
+            "vllm:request_queue_time_seconds",
+            "Seconds from arrival to the step that admitted the request.",
+            engine.queue_time,
         )
         yield histogram(
             "vllm:time_per_output_token_seconds",
