@@ -90,10 +90,15 @@ async def main() -> None:
         f"{table}\n\n{verdict} {sent} requests, {errors} failed. Only the a100 nears its "
         "batch at this load. Its steps are slowed 4x (about 160 ms at 250 sequences) while 30 "
         "requests arrive a second, so almost every scrape finds a few waiting for the next "
-        "step; four scrapes in a row near the running peak then pass for a cap, and a cap "
-        "learned low only creeps up through its 1/64 slack and the probe. Runs differ: while the "
-        "rule was being settled, runs of this command learned 256, 256, 253 and 254. "
-        "Declaring the cap (`maxNumSeqs`, the annotation or the engine's flag) avoids it.\n",
+        "step at a steady running count. A queue counts toward a cap only where the engine's "
+        "queue-time histogram (`vllm:request_queue_time_seconds`) says the requests admitted "
+        "since the last scrape waited two steps or more on average; before that rule this run "
+        "learned a false 231 to 234. A full batch scraped between steps reads the cap less the "
+        "requests that finished in the step before, so a learned cap can sit a request or two "
+        "below the real one until a scrape sees the batch full; its 1/64 slack (full at the cap "
+        "plus 3 here) keeps the full-batch rule from fencing the engine below its real batch. "
+        "Declaring the cap (`maxNumSeqs`, the annotation or the engine's flag) gives it "
+        "exactly.\n",
     )
     print(f"wrote {doc.name}", file=sys.stderr)
 
