@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -34,7 +35,10 @@ def test_a_swap_exchanges_step_costs_and_nothing_else() -> None:
     assert early and late and min(late) > max(early)
 
 
-def test_the_engine_counter_re_ranks_sooner_and_nothing_flaps_before_the_swap() -> None:
+def test_the_engine_counter_re_ranks_within_15_s_and_nothing_flaps_before_the_swap() -> None:
+    """With the engine's counter (and the speed watch it feeds) the estimates re-rank within
+    15 s, and load-balance's p99 TPOT in the first minute after the swap is no worse than
+    least-request's."""
     study = shift_study(load=0.7, seed=1)
     rows = {row.variant: row for row in study.rows}
     lr = rows["least-request"]
@@ -43,7 +47,43 @@ def test_the_engine_counter_re_ranks_sooner_and_nothing_flaps_before_the_swap() 
     assert lr.rerank_s is None and lr.flips_before is None
     assert counted.rerank_s is not None and engine.rerank_s is not None
     assert math.isfinite(engine.rerank_s) and engine.rerank_s < counted.rerank_s / 2
+    assert engine.rerank_s <= 15
+    assert engine.tpot_p99[1] <= lr.tpot_p99[1]
     assert counted.flips_before == engine.flips_before == 0
     assert all(math.isfinite(v) for row in study.rows for v in row.tpot_p99)
     table = format_markdown(study)
     assert table.count("\n| ") == 2 + len(study.rows)
+
+
+@pytest.mark.parametrize(("fleet", "load"), [("a100,3xa10", 0.9), ("a100,l20,v100", 1.0)])
+def test_the_speed_watch_stays_still_where_nothing_changed(
+    fleet: str, load: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Heavy load, bursts of arrivals and long prefills move each second's tokens per request a
+    lot; with nothing changed the watch must not rescale anything (before its guards, these
+    runs rescaled replicas several times)."""
+    from plugin.core.capacity import CapacityEstimator
+    from plugin_tools.sim.shift import VARIANTS
+    from plugin_tools.sim.sweep import slo_capacities
+    from plugin_tools.sim.workload import Arrivals, generate
+
+    rescaled: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        CapacityEstimator, "rescale", lambda self, key, factor: rescaled.append((key, factor))
+    )
+    gateway = next(g for _, _, g in VARIANTS if g.engine_tokens)
+    profiles = tuple(parse_fleet(fleet))
+    scenario = Scenario(profiles, CHAT, warmup_s=60.0, seed=1)
+    rate = load * sum(slo_capacities(scenario).values())
+    for seed, arrivals in ((1, Arrivals()), (3, Arrivals(kind="gamma", cv=2.0))):
+        requests = generate(CHAT, arrivals, rate, math.ceil(rate * 600), random.Random(seed))
+        simulate(
+            profiles,
+            make_strategy("load-balance", scenario),
+            requests,
+            warmup_s=60.0,
+            gateway=gateway,
+            seed=seed,
+            max_tokens=CHAT.max_output,
+        )
+    assert rescaled == []

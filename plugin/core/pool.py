@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plugin.core.capacity import CapacityEstimator
+from plugin.core.capacity import CapacityEstimator, SpeedWatch
 from plugin.core.profile import GpuProfile, ProfileBook
 from plugin.core.types import Candidate, EngineMetrics, Pod
 from plugin.core.view import CandidateView
@@ -158,6 +158,7 @@ class PodPool:
         "_shared_seen",
         "_shared_tokens",
         "_slot",
+        "_speed",
         "_unpublished",
         "_unreachable",
         "loaded",
@@ -206,6 +207,9 @@ class PodPool:
         # is learned from its increase (every gateway reads the same counter, so nothing is
         # shared through the store); what the gateway counts is kept for metrics only.
         self._engine_tokens: dict[str, float] = {}
+        # Per engine-counter pod: its speed watch, and the time and running count of its last
+        # scrape (`SpeedWatch`).
+        self._speed: dict[str, tuple[SpeedWatch, float, float]] = {}
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
@@ -243,6 +247,7 @@ class PodPool:
             self._counted.pop(key, None)
             self._estimated.pop(key, None)
             self._engine_tokens.pop(key, None)
+            self._speed.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
         self._pods = new
@@ -509,7 +514,7 @@ class PodPool:
             self._health.pop(key, None)
             self._mark_dirty(key)
         scraped = self._metrics[key] = _Scraped(metrics, now, now + self._metrics_max_age_s)
-        self._learn_generated(key, metrics.generation_tokens)
+        self._learn_generated(key, metrics, now)
         self._read_engine_cap(key, metrics.max_batch)
         self._learn_saturation(key, metrics, now)
         state, order = self._slot[key]
@@ -528,25 +533,46 @@ class PodPool:
             candidate.waiting = candidate.kv_usage = candidate.cpu_kv_usage = None
         state.view.changed(order)
 
-    def _learn_generated(self, key: str, total: float | None) -> None:
-        """Credit the increase of the engine's generated-token counter since the last scrape.
+    def _learn_generated(self, key: str, metrics: EngineMetrics, now: float) -> None:
+        """Credit the increase of the engine's generated-token counter since the last scrape,
+        and watch the replica's speed with it (`SpeedWatch`: a sudden change rescales the
+        capacity estimate at once).
 
         The first value read is a baseline. A counter that went backwards belongs to a
         restarted engine: all of its value is new. An engine that stops exporting it (say, a
-        restart with other flags) goes back to the gateway's counts.
+        restart with other flags) goes back to the gateway's counts. An engine whose KV cache
+        is nearly full preempts and recomputes: its speed then says nothing about its GPU, and
+        is not watched.
         """
+        total, running = metrics.generation_tokens, metrics.running
         if total is None or not 0 <= total < math.inf:
             if self._engine_tokens.pop(key, None) is not None:
                 self._capacity.set_fast(key, False)
+            self._speed.pop(key, None)
             return
         last = self._engine_tokens.get(key)
         self._engine_tokens[key] = total
+        seen = self._speed.get(key)
+        ran = running if running is not None and 0 <= running < math.inf else None
+        if ran is None:
+            self._speed.pop(key, None)
+        else:
+            self._speed[key] = (SpeedWatch() if seen is None else seen[0], now, ran)
         if last is None:
             self._capacity.set_fast(key, True)  # tokens as generated: the short window
             return
         gained = total - last if total >= last else total
         if gained > 0:
             self._capacity.add_tokens(key, round(gained))
+        if seen is not None and ran is not None and total >= last:
+            watch, then, ran_then = seen
+            kv = metrics.kv_usage
+            if kv is not None and kv >= KV_BOUND:
+                watch.streak.clear()
+                return
+            factor = watch.observe(gained, ran_then, ran, now - then)
+            if factor is not None:
+                self._capacity.rescale(key, factor)
 
     def _read_engine_cap(self, key: str, cap: float | None) -> None:
         """Keep the batch cap the engine exports, if it exports one (a finite number >= 1); what

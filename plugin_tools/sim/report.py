@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -305,7 +306,16 @@ def study_loads(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
 
 
 def study_command(prog: str, argv: Sequence[str] | None) -> str:
-    """The command a generated section names: `prog` and its arguments, `--doc` left out."""
-    if argv is None:
-        return prog
-    return prog + " " + " ".join(a for a in argv if not a.startswith("--doc"))
+    """The command a generated section names: `prog` and its arguments (the process's own when
+    `argv` is None) without `--doc` and its value, which the section adds back."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    kept: list[str] = []
+    skip = False
+    for arg in given:
+        if skip:
+            skip = False
+        elif arg == "--doc":
+            skip = True
+        elif not arg.startswith("--doc="):
+            kept.append(arg)
+    return " ".join([prog, *kept])

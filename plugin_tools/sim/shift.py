@@ -7,13 +7,16 @@ slowed by a neighbour, a replica restarted with other engine args); Poisson arri
 fraction of G* (the sum over replicas of the largest rate each serves alone within the SLO).
 Variants: least-request; load-balance learning from the output tokens the gateway counts in
 completed responses (the default wiring); load-balance learning from the engines' own
-generated-token counters (`vllm:generation_tokens_total`, read at each scrape).
+generated-token counters (`vllm:generation_tokens_total`, read at each scrape), which also feed
+the speed watch (`plugin.core.capacity.SpeedWatch`: a sudden change of a replica's tokens per
+running request rescales its estimate at once).
 
 The re-rank time is how long after the swap the estimates put the new fast replica above the
 new slow one for good; flips before the swap count order changes of any two estimates in a
 fleet where nothing changed (flapping under noise).
 
-`python -m plugin_tools.sim.shift` prints the Markdown table (`--help` for the knobs).
+`python -m plugin_tools.sim.shift` prints the Markdown table (`--help` for the knobs);
+`--sweep-loads` adds a table over loads and seeds (`shift_sweep`).
 """
 
 from __future__ import annotations
@@ -32,10 +35,20 @@ from plugin_tools.docsection import write_section
 from plugin_tools.sim.engine import parse_fleet
 from plugin_tools.sim.fleet import GatewayModel, RunResult, SpeedSwap, replica_names, simulate
 from plugin_tools.sim.metrics import DEFAULT_SLO
+from plugin_tools.sim.report import study_command
 from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
 from plugin_tools.sim.workload import CHAT, Arrivals, LengthSource, generate
 
-__all__ = ["DEFAULT_FLEET", "VARIANTS", "ShiftRow", "ShiftStudy", "format_markdown", "shift_study"]
+__all__ = [
+    "DEFAULT_FLEET",
+    "VARIANTS",
+    "ShiftRow",
+    "ShiftStudy",
+    "format_markdown",
+    "format_sweep",
+    "shift_study",
+    "shift_sweep",
+]
 
 DEFAULT_FLEET = "a100,l20,v100"
 WARMUP_S = 120.0  # learning before anything is measured
@@ -205,6 +218,31 @@ def format_markdown(study: ShiftStudy) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shift_sweep(fleet: str, loads: Sequence[float], seeds: Sequence[int]) -> list[ShiftStudy]:
+    """The study at every load and seed: how the transition goes beyond one run."""
+    return [shift_study(fleet, load, seed=seed) for load in loads for seed in seeds]
+
+
+def format_sweep(studies: Sequence[ShiftStudy]) -> str:
+    """One row per run: the engine-counter variant's re-rank and p99 TPOT against
+    least-request's, before the swap and in the first minute after it."""
+    lines = [
+        "| load (x G*) | seed | re-rank s | TPOT p99 ms before: load-balance / least-request "
+        "| during: load-balance / least-request | order changes before |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for study in studies:
+        rows = {row.variant: row for row in study.rows}
+        lb, lr = rows["load-balance, engine counter"], rows["least-request"]
+        rerank = "-" if lb.rerank_s is None else f"{lb.rerank_s:.0f}"
+        lines.append(
+            f"| {study.load:g} | {study.seed} | {rerank} "
+            f"| {1000 * lb.tpot_p99[0]:.1f} / {1000 * lr.tpot_p99[0]:.1f} "
+            f"| {1000 * lb.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} | {lb.flips_before} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def plot(study: ShiftStudy, path: Path) -> None:
     """Each load-balance variant's capacity estimates over time, the swap marked."""
     import matplotlib
@@ -240,29 +278,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--doc", type=Path, help="also write the table into this Markdown file")
     parser.add_argument("--plot", type=Path, help="also draw the estimates over time (PNG)")
+    parser.add_argument(
+        "--sweep-loads", help="also run these loads (fractions of G*, comma-separated)"
+    )
+    parser.add_argument("--sweep-seeds", default="1,2,3", help="seeds of the sweep")
     args = parser.parse_args(argv)
     if args.load <= 0:
         parser.error("--load must be positive")
     try:
+        loads = [float(x) for x in (args.sweep_loads or "").split(",") if x.strip()]
+        seeds = [int(x) for x in args.sweep_seeds.split(",") if x.strip()]
+    except ValueError:
+        parser.error("--sweep-loads and --sweep-seeds: numbers separated by commas")
+    if any(x <= 0 for x in loads):
+        parser.error("--sweep-loads must be positive")
+    try:
         study = shift_study(args.fleet, args.load, seed=args.seed)
+        sweep = format_sweep(shift_sweep(args.fleet, loads, seeds)) if loads else ""
     except ValueError as exc:
         parser.error(str(exc))
     table = format_markdown(study)
-    sys.stdout.write(table)
+    sys.stdout.write(table + ("\n" + sweep if sweep else ""))
     if args.plot is not None:
         plot(study, args.plot)
     if args.doc is not None:
+        command = study_command("python -m plugin_tools.sim.shift", argv)
         text = (
             "## Capacity shift: a fast and a slow replica exchange speeds\n\n"
-            "Generated by `python -m plugin_tools.sim.shift --doc docs/benchmarks.md --plot "
-            "docs/sim/capacity-shift.png` (a few seconds). least-request adapts at once (it "
-            "counts requests); load-balance adapts when its capacity estimates re-rank. With "
-            "the engines' own token counters (vLLM's and SGLang's `*:generation_tokens_total`, "
-            "which credit tokens as they are generated) the estimator uses a 15 s window and a "
-            "5 s time constant instead of a minute and 10 s: it re-ranks about three times "
-            "sooner, and its p99 TPOT is lower before, during and after the change; with "
-            "either source the estimates never changed order before the swap.\n\n"
+            f"Generated by `{command} --doc docs/benchmarks.md` (about a minute with the sweep)."
+            " least-request adapts at once (it counts requests); load-balance adapts when its"
+            " capacity estimates do. With the engines' own token counters (vLLM's and SGLang's"
+            " `*:generation_tokens_total`, which credit tokens as they are generated) the"
+            " estimator uses a 15 s window and a 5 s time constant instead of a minute and 10 s,"
+            " and the speed watch compares each scrape's tokens per running request with the"
+            " replica's usual figure: where it moved by 1.5x or more four scrapes in a row, at a"
+            " batch that cannot explain it, the estimate is rescaled by the streak's median at"
+            " once. Re-rank is how long after the swap the new fast replica's estimate stays"
+            " above the new slow one's: the estimate is achieved throughput, so that also waits"
+            " for traffic to move.\n\n"
             + table
+            + ("\nOver loads and seeds (engine counter):\n\n" + sweep if sweep else "")
             + "\n![capacity estimates around the swap](sim/capacity-shift.png)\n"
         )
         write_section(args.doc, "capacity-shift", text)
