@@ -729,3 +729,34 @@ async def test_cli_serves_until_sigterm(http: aiohttp.ClientSession) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_step_costs_change_at_run_time_and_metrics_follow(
+    make_engine: EngineFactory, http: aiohttp.ClientSession
+) -> None:
+    """A benchmark slows an engine mid-run (another tenant on its GPU): its scheduler takes the
+    new step costs, and /metrics' saturated throughput says so."""
+    handle = await make_engine(time_scale=1.0, max_num_seqs=4)
+    url = handle.url + "/mock/step-costs"
+    async with http.get(url) as resp:
+        costs = await resp.json()
+    assert set(costs) == {"a_ms", "b_ms", "prefill_ms_per_token", "time_scale"}
+    before = (await _metrics(http, handle))["mock_engine_saturated_output_tokens_per_second"]
+
+    async with http.put(url, json={"a_ms": costs["a_ms"] * 4, "b_ms": costs["b_ms"] * 4}) as resp:
+        assert resp.status == 200
+        changed = await resp.json()
+    assert changed["a_ms"] == pytest.approx(costs["a_ms"] * 4)
+    # the step loop's scheduler costs its next steps with them
+    assert handle.engine.scheduler.params.a_ms == pytest.approx(costs["a_ms"] * 4)
+    body = _request(True, words=3, stream=False, max_tokens=5)
+    async with http.post(handle.url + _path(True), json=body) as resp:
+        assert resp.status == 200
+    after = (await _metrics(http, handle))["mock_engine_saturated_output_tokens_per_second"]
+    assert after < before / 2.5
+    for bad in ({"a_ms": -1}, {"kv_tokens": 5}, {"a_ms": "fast"}, [1]):
+        async with http.put(url, json=bad) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    async with http.get(url) as resp:
+        assert (await resp.json()) == changed  # nothing changed by the bad ones

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from bisect import bisect_left
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -162,6 +163,19 @@ class MockEngine:
         self._work.set()
         return req
 
+    def set_step_costs(self, changes: Mapping[str, Any]) -> EngineParams:
+        """Change the step cost model at run time (another tenant on the GPU, a restart with
+        other engine args): from the next step on, and in what /metrics reports. Raises
+        ValueError for an unknown field or a bad value, changing nothing."""
+        unknown = set(changes) - set(STEP_COST_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"unknown step-cost fields {sorted(unknown)}; known: {STEP_COST_FIELDS}"
+            )
+        params = dataclasses.replace(self.params, **changes)  # validates
+        self.params = self.scheduler.params = params
+        return params
+
     def release(self, req: _Request) -> None:
         """Forget a request; if it has not finished, abort it so its slot and KV are freed."""
         self._requests.pop(req.seq_id, None)
@@ -230,6 +244,8 @@ class MockEngine:
 
 
 _ENGINE_KEY: Final = web.AppKey("mock_engine", MockEngine)
+# What `/mock/step-costs` reads and changes.
+STEP_COST_FIELDS: Final = ("a_ms", "b_ms", "prefill_ms_per_token", "time_scale")
 
 
 class _EngineCollector:
@@ -624,6 +640,30 @@ async def _metrics(request: web.Request) -> web.Response:
     )
 
 
+def _step_costs(params: EngineParams) -> web.Response:
+    body = {name: getattr(params, name) for name in STEP_COST_FIELDS}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _get_step_costs(request: web.Request) -> web.Response:
+    return _step_costs(request.app[_ENGINE_KEY].params)
+
+
+async def _put_step_costs(request: web.Request) -> web.Response:
+    """Benchmarks change an engine's speed mid-run with this (a JSON object of fields)."""
+    try:
+        changes = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return _error(400, "the body is not JSON")
+    if not isinstance(changes, dict):
+        return _error(400, f"expected a JSON object of {', '.join(STEP_COST_FIELDS)}")
+    try:
+        params = request.app[_ENGINE_KEY].set_step_costs(changes)
+    except (TypeError, ValueError) as exc:
+        return _error(400, str(exc))
+    return _step_costs(params)
+
+
 def build_app(engine: MockEngine) -> web.Application:
     """The aiohttp application for ``engine``; every response names the engine that served it."""
     app = web.Application()
@@ -639,6 +679,8 @@ def build_app(engine: MockEngine) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/mock/step-costs", _get_step_costs)
+    app.router.add_put("/mock/step-costs", _put_step_costs)
     return app
 
 
