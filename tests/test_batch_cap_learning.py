@@ -57,12 +57,17 @@ def _learned_caps(
     caps: list[int] = []
     now, next_scrape, seq = 0.0, scrape_s, 0
     arrived: dict[object, float] = {}
+    queued: dict[object, float] = {}  # admitted: how long each waited
+    wanted: dict[object, int] = {}  # output tokens per request
     queue_sum = queue_count = latency_sum = latency_count = 0.0
     while now < duration_s:
         result = engine.step(now)
         for admitted in result.admitted:
-            queue_sum += now - arrived.pop(admitted)
-            queue_count += 1
+            queued[admitted] = now - arrived.pop(admitted)
+        for done, generated in result.emitted:
+            if generated >= wanted[done]:  # vLLM observes the queue time as a request finishes
+                queue_sum += queued.pop(done)
+                queue_count += 1
         latency_sum += result.duration_s * len(result.emitted)
         latency_count += len(result.emitted)
         if result.duration_s > 0:
@@ -76,7 +81,8 @@ def _learned_caps(
                 break
             if first_arrival <= next_scrape:
                 arrived[seq := seq + 1] = heapq.heappop(arrivals)
-                engine.submit(seq, prompt, rng.randint(*output))
+                wanted[seq] = rng.randint(*output)
+                engine.submit(seq, prompt, wanted[seq])
             else:
                 metrics = EngineMetrics(
                     running=engine.num_running, waiting=engine.num_waiting, kv_usage=engine.kv_usage
@@ -167,13 +173,20 @@ def test_a_queue_counts_only_where_the_engine_says_it_held_requests_for_steps(
     assert blind.saturation(POD.key) == 231
 
 
-def test_a_queue_that_admits_nobody_between_scrapes_is_held() -> None:
+def test_scrapes_where_no_queue_time_was_counted_fall_back_to_the_queue_itself() -> None:
+    """vLLM counts a request's queue time when it finishes: a scrape interval in which nothing
+    finished says nothing about the queue, and the queue counts as it did without histograms."""
     pool = PodPool(CapacityEstimator())
     pool.set_pods([POD])
     for k in range(1, 6):
-        latency = {"token_latency_sum": 10.0 * k, "token_latency_count": 1000.0 * k}
         metrics = EngineMetrics(
-            231.0, 3.0, 0.5, queue_time_sum=5.0, queue_time_count=50.0, **latency
+            231.0,
+            3.0,
+            0.5,
+            queue_time_sum=5.0,
+            queue_time_count=50.0,
+            token_latency_sum=10.0 * k,
+            token_latency_count=1000.0 * k,
         )
         pool.update_metrics(POD.key, metrics, float(k))
     assert pool.saturation(POD.key) == 231

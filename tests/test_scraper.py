@@ -779,3 +779,26 @@ def test_vllm_queue_time_and_token_latency_histograms_are_read_by_sum_and_count(
     assert (m.token_latency_sum, m.token_latency_count) == (2.5, 100.0)
     old = parse_engine_metrics(page.replace("inter_token_latency", "x"))
     assert (old.token_latency_sum, old.token_latency_count) == (99.0, 99.0)
+
+
+def test_a_histogram_pair_comes_from_one_family_and_tabs_end_a_name() -> None:
+    """A NaN sum in the newer family must not pair the older family's sum with the newer's
+    count; a label-less sample separated by a tab is read as by prometheus_client."""
+    page = (
+        "vllm:inter_token_latency_seconds_sum NaN\n"
+        "vllm:inter_token_latency_seconds_count 100\n"
+        "vllm:time_per_output_token_seconds_sum 50\n"
+        "vllm:time_per_output_token_seconds_count 10\n"
+        "vllm:num_requests_running\t3\n"
+    )
+    m = parse_engine_metrics(page)
+    assert (m.token_latency_sum, m.token_latency_count) == (50.0, 10.0)
+    assert m.running == 3.0
+
+
+def test_only_vllms_token_counter_counts_step_by_step() -> None:
+    """SGLang adds a request's tokens when it finishes: one scrape's increase is no speed."""
+    assert parse_engine_metrics("vllm:generation_tokens_total 5\n").generation_tokens_stepwise
+    sglang = parse_engine_metrics("sglang:generation_tokens_total 5\n")
+    assert sglang.generation_tokens == 5.0 and not sglang.generation_tokens_stepwise
+    assert not parse_engine_metrics("vllm:num_requests_running 1\n").generation_tokens_stepwise

@@ -134,10 +134,14 @@ def test_the_pool_rescales_a_replica_whose_engine_counter_shows_it_slowed() -> N
     pool.set_pods([POD])
     total, rng = 0.0, random.Random(5)
 
-    def scrape(t: int, a: float, b: float, kv: float = 0.3) -> float | None:
+    def scrape(t: int, a: float, b: float, kv: float = 0.3, step: bool = True) -> float | None:
         nonlocal total
         total += _scrape(40.0, a, b, rng, 0.05)
-        pool.update_metrics(POD.key, EngineMetrics(40.0, 0.0, kv, generation_tokens=total), t)
+        pool.update_metrics(
+            POD.key,
+            EngineMetrics(40.0, 0.0, kv, generation_tokens=total, generation_tokens_stepwise=step),
+            t,
+        )
         pool.refresh_capacity(float(t))
         return pool.capacity(POD.key)
 
@@ -156,3 +160,32 @@ def test_the_pool_rescales_a_replica_whose_engine_counter_shows_it_slowed() -> N
         warm = scrape(t, 9.0, 0.12)
     late = [scrape(t, 22.0, 0.35, kv=0.95) for t in range(60, 65)]
     assert warm is not None and late[-1] is not None and late[-1] > 0.6 * warm
+
+
+def test_a_counter_that_grows_as_requests_finish_is_not_watched() -> None:
+    """SGLang's counter: the same slowdown, counted in lumps, leaves the estimate to its window."""
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([POD])
+    total, rng = 0.0, random.Random(6)
+    for t in range(66):
+        a, b = (9.0, 0.12) if t < 60 else (22.0, 0.35)
+        total += _scrape(40.0, a, b, rng, 0.05)
+        metrics = EngineMetrics(40.0, 0.0, 0.3, generation_tokens=total)  # not stepwise
+        pool.update_metrics(POD.key, metrics, float(t))
+        pool.refresh_capacity(float(t))
+        if t == 59:
+            before = pool.capacity(POD.key)
+    after = pool.capacity(POD.key)
+    assert before is not None and after is not None and after > 0.5 * before
+
+
+def test_after_a_change_another_needs_a_tau_of_the_new_speed() -> None:
+    rng = random.Random(7)
+    watch = SpeedWatch()
+    _warm(watch, 40.0, 9.0, 0.12, rng)
+    fired = [watch.observe(_scrape(40.0, 22.0, 0.35, rng), 40.0, 40.0, 1.0) for _ in range(4)]
+    assert fired[-1] is not None
+    # straight back: no rescale before the new speed has been followed for a tau (the usual
+    # speed follows it back meanwhile, and the estimate's window does the rest)
+    back = [watch.observe(_scrape(40.0, 9.0, 0.12, rng), 40.0, 40.0, 1.0) for _ in range(30)]
+    assert all(f is None for f in back[: int(SHIFT_TAU_S)])

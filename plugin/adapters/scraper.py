@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 
@@ -60,6 +61,9 @@ _GENERATED = (
 # The batch cap the engine exports (TensorRT-LLM only): its executor's maximum number of active
 # requests, else its configured max batch size. A 0 (not reported yet) is no cap.
 _MAX_BATCH = ("trtllm_max_num_active_requests", "trtllm_max_batch_size_static")
+# Counters that grow as tokens are generated, step by step (vLLM's): a scrape interval's increase
+# is then the replica's speed, which the speed watch reads. SGLang's grows as requests finish.
+_STEPWISE = frozenset({"vllm:generation_tokens_total"})
 # Queue time and inter-token latency histograms' sums and counts (a family's pair, the same
 # order in each tuple): vLLM (newer then older name), TensorRT-LLM.
 _QUEUE_SUM = ("vllm:request_queue_time_seconds_sum", "trtllm_request_queue_time_seconds_sum")
@@ -99,21 +103,25 @@ MAX_CONCURRENT_SCRAPES = 64
 _NOTHING = EngineMetrics()
 
 
+_NAME_END = re.compile(r"[\s{]")
+
+
 def wanted_lines(text: str) -> str:
     """The sample lines of the page whose metric name is a wanted one, in page order.
 
     One pass over the lines, a set lookup each: the cost does not grow with the number of names
-    read (four engines' worth), and a longer name never passes for a shorter one. This runs for
-    every pod on every tick (`docs/plugin-cost.md`): about 75 us for a 440-line vLLM page.
+    read (four engines' worth), and a longer name never passes for a shorter one. The name ends
+    at the first `{`, space or tab. This runs for every pod on every tick
+    (`docs/plugin-cost.md`): about 75 us for a 440-line vLLM page.
     """
     wanted = _WANTED
-    return "\n".join(
-        [
-            line.rstrip("\r")
-            for line in text.split("\n")
-            if (line.partition("{")[0] if "{" in line else line.partition(" ")[0]) in wanted
-        ]
-    )
+    end = _NAME_END.search
+    out = []
+    for line in text.split("\n"):
+        found = end(line)
+        if (line[: found.start()] if found else line) in wanted:
+            out.append(line.rstrip("\r"))
+    return "\n".join(out)
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -149,6 +157,17 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
                 return sum(values) / len(values) if mean else sum(values)
         return None
 
+    def pair(sums: tuple[str, ...], counts: tuple[str, ...]) -> tuple[float | None, float | None]:
+        """A histogram's sum and count, both from the first family that has both."""
+        for total, count in zip(sums, counts, strict=True):
+            if found.get(total) and found.get(count):
+                return sum(found[total]), sum(found[count])
+        return None, None
+
+    queue_sum, queue_count = pair(_QUEUE_SUM, _QUEUE_COUNT)
+    latency_sum, latency_count = pair(_ITL_SUM, _ITL_COUNT)
+    stepwise = next((n for n in _GENERATED if found.get(n)), None) in _STEPWISE
+
     return EngineMetrics(
         running=first(_RUNNING),
         waiting=first(_WAITING),
@@ -156,10 +175,11 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         cpu_kv_usage=first(_CPU_KV, mean=True),
         generation_tokens=first(_GENERATED),
         max_batch=first(_MAX_BATCH),
-        queue_time_sum=first(_QUEUE_SUM),
-        queue_time_count=first(_QUEUE_COUNT),
-        token_latency_sum=first(_ITL_SUM),
-        token_latency_count=first(_ITL_COUNT),
+        generation_tokens_stepwise=stepwise,
+        queue_time_sum=queue_sum,
+        queue_time_count=queue_count,
+        token_latency_sum=latency_sum,
+        token_latency_count=latency_count,
     )
 
 

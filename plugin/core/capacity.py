@@ -188,6 +188,7 @@ class SpeedWatch:
             new = sorted(streak)[len(streak) // 2]
             streak.clear()
             self.speed, self.batch = new, batch  # the new usual, at once
+            self.seen_s = 0.0  # and a tau of it before another change counts
             return new / usual
         streak.clear()
         self.seen_s += dt

@@ -536,7 +536,7 @@ class PodPool:
     def _learn_generated(self, key: str, metrics: EngineMetrics, now: float) -> None:
         """Credit the increase of the engine's generated-token counter since the last scrape,
         and watch the replica's speed with it (`SpeedWatch`: a sudden change rescales the
-        capacity estimate at once).
+        capacity estimate at once; only where the counter grows step by step, as vLLM's does).
 
         The first value read is a baseline. A counter that went backwards belongs to a
         restarted engine: all of its value is new. An engine that stops exporting it (say, a
@@ -564,10 +564,12 @@ class PodPool:
         gained = total - last if total >= last else total
         if gained > 0:
             self._capacity.add_tokens(key, round(gained))
+        if seen is not None and total < last:
+            seen[0].streak.clear()  # a restarted engine: the scrapes around it are not in a row
         if seen is not None and ran is not None and total >= last:
             watch, then, ran_then = seen
             kv = metrics.kv_usage
-            if kv is not None and kv >= KV_BOUND:
+            if not metrics.generation_tokens_stepwise or (kv is not None and kv >= KV_BOUND):
                 watch.streak.clear()
                 return
             factor = watch.observe(gained, ran_then, ran, now - then)
@@ -658,9 +660,10 @@ class PodPool:
                     cap.confirmed, cap.pressed = now, False
 
     def _waited_steps(self, key: str, metrics: EngineMetrics) -> bool | None:
-        """Did the requests the engine admitted since the last scrape wait `HELD_STEPS` steps or
-        more on average (True also when it admitted none: the queue did not move)? None when
-        the engine does not say (no histograms, a first read, a restart, no step ran)."""
+        """Did the requests the engine counted in its queue-time histogram since the last scrape
+        (vLLM counts a request when it finishes) wait `HELD_STEPS` steps or more on average?
+        None when the engine does not say (no histograms, a first read, a restart, no step ran,
+        none counted)."""
         qs, qc = metrics.queue_time_sum, metrics.queue_time_count
         ls, lc = metrics.token_latency_sum, metrics.token_latency_count
         if qs is None or qc is None or ls is None or lc is None:
@@ -678,7 +681,7 @@ class PodPool:
         if min(waited, admitted, latency, tokens) < 0 or tokens <= 0:
             return None  # a restarted engine, or one that ran no step
         if admitted <= 0:
-            return True
+            return None  # vLLM observes queue times as requests finish: none finished
         return waited / admitted >= HELD_STEPS * latency / tokens
 
     def refresh_capacity(self, now: float) -> None:

@@ -65,13 +65,18 @@ class EngineMetrics:
     # `*:generation_tokens_total`): where exported, capacity is learned from its increase per
     # scrape, exactly and with no per-token cost at the gateway.
     generation_tokens: float | None = None
+    # The counter grows step by step as tokens are generated (vLLM's), not as requests finish
+    # (SGLang's): only then does one scrape interval's increase tell the replica's speed
+    # (`plugin.core.capacity.SpeedWatch`).
+    generation_tokens_stepwise: bool = False
     # The batch cap the engine exports (TensorRT-LLM's `trtllm_max_num_active_requests`): where
     # the pod declares none, it counts as declared (`PodPool.saturation`).
     max_batch: float | None = None
     # Cumulative sums and counts of the engine's request queue-time and inter-token-latency
-    # histograms (vLLM's `vllm:request_queue_time_seconds`, `vllm:inter_token_latency_seconds`):
-    # how long the requests admitted between two scrapes waited, in engine steps, tells a queue
-    # held by a full batch from one that waits for the next step (`PodPool._learn_saturation`).
+    # histograms (vLLM's `vllm:request_queue_time_seconds`, `vllm:inter_token_latency_seconds`;
+    # vLLM observes a request's queue time when it finishes): how long the requests that
+    # finished between two scrapes had waited, in engine steps, tells a queue held by a full
+    # batch from one that waits for the next step (`PodPool._learn_saturation`).
     queue_time_sum: float | None = None
     queue_time_count: float | None = None
     token_latency_sum: float | None = None

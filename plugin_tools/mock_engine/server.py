@@ -95,8 +95,8 @@ class _Histogram:
 class _Request:
     """What the step loop publishes to one waiting handler."""
 
-    __slots__ = ("arrival", "finished", "max_tokens", "prompt_tokens", "ready", "seq_id", "wake",
-                 "wake_every")  # fmt: skip
+    __slots__ = ("arrival", "finished", "max_tokens", "prompt_tokens", "queued_s", "ready",
+                 "seq_id", "wake", "wake_every")  # fmt: skip
 
     def __init__(self, seq_id: int, prompt_tokens: int, max_tokens: int, wake_every: int) -> None:
         self.seq_id = seq_id
@@ -104,6 +104,7 @@ class _Request:
         self.max_tokens = max_tokens
         self.wake_every = wake_every
         self.arrival = time.monotonic()
+        self.queued_s = 0.0  # from arrival to the step that admitted it
         self.ready = 0
         self.finished = False
         self.wake = asyncio.Event()
@@ -126,7 +127,8 @@ class MockEngine:
         self.request_success_total = 0
         self.ttft = _Histogram(_TTFT_BUCKETS)
         self.tpot = _Histogram(_TPOT_BUCKETS)
-        # From arrival to the start of the step that admitted it (vLLM: WAITING phase).
+        # From arrival to the start of the step that admitted it (vLLM: WAITING phase),
+        # observed when the request finishes, as vLLM observes it.
         self.queue_time = _Histogram(_REQUEST_TIME_BUCKETS)
         self._requests: dict[Hashable, _Request] = {}
         self._ids = itertools.count()
@@ -214,7 +216,7 @@ class MockEngine:
             for seq_id in result.admitted:
                 req = self._requests.get(seq_id)
                 if req is not None:
-                    self.queue_time.observe(max(0.0, start - req.arrival))
+                    req.queued_s = max(0.0, start - req.arrival)
             deadline = result.end
             # Always yield, even when late, so handlers run between back-to-back steps.
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -235,6 +237,7 @@ class MockEngine:
             if generated >= req.max_tokens:
                 req.finished = True
                 self.request_success_total += 1
+                self.queue_time.observe(req.queued_s)  # as vLLM: when the request finishes
                 req.wake.set()
             elif generated == 1 or (generated - 1) % req.wake_every == 0:
                 req.wake.set()  # the first token goes out at once, then groups of k

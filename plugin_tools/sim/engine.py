@@ -13,8 +13,10 @@ prefix it prefilled, least recently used first out, up to `prefix_cache_share` o
 a request admitted where its group is cached skips that part of its prefill (its KV is still
 held, as vLLM's shared blocks are). What it hit and what it asked for are counted in tokens, as
 vLLM's `vllm:prefix_cache_hits_total` and `..._queries_total` are. Limits: a prefix is cached
-once its request's whole prefill ran (vLLM caches block by block), and the cache is a fixed
-share of the KV cache rather than whatever blocks are free.
+once its request's whole prefill ran (vLLM caches block by block), the cache is a fixed
+share of the KV cache rather than whatever blocks are free, and each running request of a group
+holds its own copy of the prefix in the KV count (vLLM shares one), which overstates KV pressure
+when many requests of one group run at once.
 
 The bookkeeping is per event, not per sequence per step: a decoding sequence's KV grows by one
 token a step, so the total is kept as `constant + decoding * steps` and finishes come off a heap by

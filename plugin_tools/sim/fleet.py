@@ -347,6 +347,7 @@ def simulate(
                     float(snap.waiting),
                     snap.kv_usage,
                     generation_tokens=float(engine.generated_tokens) if gw.engine_tokens else None,
+                    generation_tokens_stepwise=gw.engine_tokens,  # counted per step, as vLLM
                 )
                 if gw.metrics_delay_s > 0:
                     push(now + gw.metrics_delay_s, _DELIVER, (pods[i].key, metrics))
