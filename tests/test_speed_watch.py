@@ -151,6 +151,7 @@ def test_the_pool_rescales_a_replica_whose_engine_counter_shows_it_slowed() -> N
     after = [scrape(t, 22.0, 0.35) for t in range(60, 66)]
     seen = after[SHIFT_SCRAPES - 1]
     assert seen is not None and seen < 0.5 * before
+    assert pool.snapshot(66.0)["pods"][POD.key]["speed_changes"] == 1  # /debug/pods says so
     # A nearly full KV cache preempts: the speed then says nothing, and is not acted on.
     pool2 = PodPool(CapacityEstimator())
     pool2.set_pods([POD])
@@ -177,6 +178,7 @@ def test_a_counter_that_grows_as_requests_finish_is_not_watched() -> None:
             before = pool.capacity(POD.key)
     after = pool.capacity(POD.key)
     assert before is not None and after is not None and after > 0.5 * before
+    assert pool.snapshot(66.0)["pods"][POD.key]["speed_changes"] == 0
 
 
 def test_after_a_change_another_needs_a_tau_of_the_new_speed() -> None:

@@ -151,6 +151,7 @@ class PodPool:
         "_queue_clock",
         "_queue_streak",
         "_remote",
+        "_rescaled",
         "_routed",
         "_saturation",
         "_saturation_probe_s",
@@ -210,6 +211,7 @@ class PodPool:
         # Per engine-counter pod: its speed watch, and the time and running count of its last
         # scrape (`SpeedWatch`).
         self._speed: dict[str, tuple[SpeedWatch, float, float]] = {}
+        self._rescaled: dict[str, int] = {}  # speed changes the watch acted on, per pod
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
@@ -248,6 +250,7 @@ class PodPool:
             self._estimated.pop(key, None)
             self._engine_tokens.pop(key, None)
             self._speed.pop(key, None)
+            self._rescaled.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
         self._pods = new
@@ -575,6 +578,7 @@ class PodPool:
             factor = watch.observe(gained, ran_then, ran, now - then)
             if factor is not None:
                 self._capacity.rescale(key, factor)
+                self._rescaled[key] = self._rescaled.get(key, 0) + 1
 
     def _read_engine_cap(self, key: str, cap: float | None) -> None:
         """Keep the batch cap the engine exports, if it exports one (a finite number >= 1); what
@@ -845,6 +849,7 @@ class PodPool:
                 "output_tokens_estimated": self.estimated_tokens_total(key),
                 "token_source": self.token_source(key),
                 "capacity_tokens_per_s": self.capacity(key),
+                "speed_changes": self._rescaled.get(key, 0),
                 "saturation": self.saturation(key),
                 "saturation_source": self.saturation_source(key),
                 "ejected": self.ejected(key, now),
