@@ -39,6 +39,7 @@ class Outcome:
     engine: str
     routed_by_plugin: bool  # the plugin's response headers are present
     started: float
+    late: float  # how long after its slot in the open-loop schedule it was sent
 
 
 @dataclass
@@ -47,7 +48,9 @@ class Load:
     errors: list[str] = field(default_factory=list)
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, load: Load) -> None:
+async def one_request(
+    session: aiohttp.ClientSession, url: str, load: Load, scheduled: float
+) -> None:
     body = chat_body(MODEL, 24, stream=True, content="hello")
     started = time.monotonic()
     try:
@@ -60,6 +63,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, load: Load) -> N
                     resp.headers.get("x-mock-engine", ""),
                     "target-pod" in resp.headers,
                     started,
+                    started - scheduled,
                 )
             )
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -74,10 +78,20 @@ async def offer(url: str, rate: float, done: asyncio.Event, load: Load) -> None:
         start = time.monotonic()
         n = 0
         while not done.is_set():
-            tasks.append(asyncio.create_task(one_request(session, url, load)))
+            scheduled = start + n / rate
+            tasks.append(asyncio.create_task(one_request(session, url, load, scheduled)))
             n += 1
             await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
         await asyncio.gather(*tasks)
+
+
+async def ext_proc_stats(fleet: LocalFleet) -> dict[str, int]:
+    """Envoy's counters of its ext_proc filters (streams failed, message timeouts, failures let
+    through): a failure message carries them, so a flake names its cause."""
+    url = f"http://127.0.0.1:{fleet.admin_port}/stats?filter=ext_proc\\.&format=json"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        doc = await resp.json()
+    return {s["name"]: int(s["value"]) for s in doc["stats"] if "value" in s}
 
 
 async def test_fail_open_serves_every_request_while_the_plugin_is_down(fleet: LocalFleet) -> None:
@@ -85,17 +99,20 @@ async def test_fail_open_serves_every_request_while_the_plugin_is_down(fleet: Lo
     done = asyncio.Event()
     traffic = asyncio.create_task(offer(fleet.envoy_url, rate=20.0, done=done, load=load))
     await asyncio.sleep(3.0)
+    stats = {"up": await ext_proc_stats(fleet)}
     stopped_at = time.monotonic()
     await fleet.stop_process(fleet.plugin)  # drains: in-flight requests finish first
     await asyncio.sleep(3.0)
     restarted_at = time.monotonic()
     await fleet.start_plugin()
     ready_at = time.monotonic()
+    stats["ready"] = await ext_proc_stats(fleet)
     # Phases are timed from the events, not from a fixed schedule: the drain and the restart
     # take as long as they take on a loaded machine.
     await asyncio.sleep(4.0)
     done.set()
     await traffic
+    stats["end"] = await ext_proc_stats(fleet)
 
     assert not load.errors, load.errors[:3]
     assert len(load.outcomes) >= 150
@@ -108,7 +125,15 @@ async def test_fail_open_serves_every_request_while_the_plugin_is_down(fleet: Lo
     assert before and down and after
     # Before and after: the plugin picked every replica. While it is down: nobody picks, and
     # Envoy's round robin spreads the requests over all the engines.
-    assert all(o.routed_by_plugin for o in before + after)
+    unrouted = [
+        f"sent {o.started - stopped_at:+.2f} s from the stop, {o.started - ready_at:+.2f} s from "
+        f"ready, {o.late:.2f} s late"
+        for o in before + after
+        if not o.routed_by_plugin
+    ]
+    assert not unrouted, f"not routed by the plugin: {unrouted}; Envoy's ext_proc stats: {stats}"
+    allowed = "http.hetero_gateway.ext_proc.failure_mode_allowed"
+    assert stats["ready"][allowed] - stats["up"][allowed] >= len(down), stats
     assert not any(o.routed_by_plugin for o in down)
     spread = Counter(o.engine for o in down)
     assert set(spread) == {e.name for e in fleet.engines}, spread

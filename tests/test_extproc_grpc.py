@@ -9,6 +9,7 @@ point at loopback ports that are reserved but not listening: no request is forwa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import grpc
 import orjson
 import pytest
 import pytest_asyncio
+from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -655,38 +657,90 @@ class GatedSource:
         await asyncio.Event().wait()
 
 
+async def _until_serving(channel: grpc.aio.Channel) -> None:
+    for _ in range(int(WAIT_S / 0.01)):
+        if await _health(channel) == SERVING:
+            return
+        await asyncio.sleep(0.01)
+    assert await _health(channel) == SERVING
+
+
+@contextlib.asynccontextmanager
+async def _probing(gateway: Gateway) -> AsyncIterator[tuple[grpc.aio.Channel, str]]:
+    """Start `gateway`; yield a channel to its gRPC port and its /readyz URL; stop it after."""
+    await gateway.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+            yield channel, f"http://127.0.0.1:{gateway.http_port}/readyz"
+    finally:
+        await gateway.stop()
+
+
 async def test_not_serving_and_not_ready_until_discovery_delivers(pods_file: Path) -> None:
     source = GatedSource(load_pods_file(str(pods_file)))
     gateway = Gateway(gateway_settings(SETTINGS_ENV), source, "127.0.0.1")
-    await gateway.start()
+    async with _probing(gateway) as (channel, url), aiohttp.ClientSession() as http:
+        assert await _health(channel) == NOT_SERVING
+        async with http.get(url) as resp:
+            assert resp.status == 503
+
+        # An LLM request before discovery: the model is unknown, answered by the plugin.
+        stream = Stream(pb_grpc.ExternalProcessorStub(channel))
+        await stream.send(request_headers())
+        reply = await stream.send(request_body(CHAT_BODY))
+        assert reply.immediate_response.status.code == 400
+        await stream.finish()
+
+        source.gate.set()
+        await _until_serving(channel)
+        async with http.get(url) as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"status": "ready", "pods": 2}
+
+
+async def test_ready_only_once_the_engines_have_been_scraped(
+    tmp_path: Path, reserve_port: Callable[[], int]
+) -> None:
+    """A restarted gateway must not take traffic blind: ready (gRPC health and /readyz) only after
+    its first scrape round, answered or not. A dead engine is then already out of rotation."""
+    gate = asyncio.Event()
+
+    async def metrics(_: web.Request) -> web.Response:
+        await gate.wait()
+        return web.Response(text="vllm:num_requests_running 7\nvllm:num_requests_waiting 0\n")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    live = Pod("live", "default", MODEL, "127.0.0.1", int(runner.addresses[0][1]), 0)
+    dead = Pod("dead", "default", MODEL, "127.0.0.1", reserve_port(), 0)
+    source = StaticFileSource(str(write_pods_file(tmp_path / "pods.yaml", [live, dead])), 30.0)
+    # The scrape timeout is far above this test's waits: the round ends when the gate opens.
+    env = {**SETTINGS_ENV, "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS": "20000"}
+    gateway = Gateway(gateway_settings(env), source, "127.0.0.1")
     try:
-        async with (
-            grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel,
-            aiohttp.ClientSession() as http,
-        ):
-            url = f"http://127.0.0.1:{gateway.http_port}/readyz"
+        async with _probing(gateway) as (channel, url), aiohttp.ClientSession() as http:
+            await eventually(lambda: gateway.pool.loaded, "pod discovery")
+            await eventually(lambda: gateway.pool.unreachable(dead.key), "the dead pod's scrape")
+            await asyncio.sleep(0.2)  # a gateway that did not wait would report ready by now
             assert await _health(channel) == NOT_SERVING
             async with http.get(url) as resp:
                 assert resp.status == 503
+                assert await resp.json() == {"status": "waiting for the first metrics scrape"}
 
-            # An LLM request before discovery: the model is unknown, answered by the plugin.
-            stream = Stream(pb_grpc.ExternalProcessorStub(channel))
-            await stream.send(request_headers())
-            reply = await stream.send(request_body(CHAT_BODY))
-            assert reply.immediate_response.status.code == 400
-            await stream.finish()
-
-            source.gate.set()
-            for _ in range(int(WAIT_S / 0.01)):
-                if await _health(channel) == SERVING:
-                    break
-                await asyncio.sleep(0.01)
-            assert await _health(channel) == SERVING
+            gate.set()
+            await _until_serving(channel)
             async with http.get(url) as resp:
                 assert resp.status == 200
-                assert await resp.json() == {"status": "ready", "pods": 2}
+            # What the gateway routes on once ready: the live engine's load, the dead one out.
+            scraped = gateway.pool.scraped(live.key)
+            assert scraped is not None and scraped[0].running == 7
+            assert gateway.pool.unreachable(dead.key)
     finally:
-        await gateway.stop()
+        gate.set()
+        await runner.cleanup()
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

@@ -309,9 +309,11 @@ def build_app(
     async def readyz(_: web.Request) -> web.Response:
         if draining():
             return web.json_response({"status": "draining"}, status=503)
-        if pool.loaded:
-            return web.json_response({"status": "ready", "pods": len(pool.pods())})
-        return web.json_response({"status": "waiting for pod discovery"}, status=503)
+        if not pool.loaded:
+            return web.json_response({"status": "waiting for pod discovery"}, status=503)
+        if not scraper.first_round.is_set():
+            return web.json_response({"status": "waiting for the first metrics scrape"}, status=503)
+        return web.json_response({"status": "ready", "pods": len(pool.pods())})
 
     async def pods(_: web.Request) -> web.Response:
         return web.Response(

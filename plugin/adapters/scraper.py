@@ -204,6 +204,10 @@ class MetricsScraper:
         # Parsed once per pod address and path: building a URL from text on every scrape of
         # every pod is a noticeable share of a tick at a thousand pods.
         self._urls: dict[tuple[str, int, str], URL] = {}
+        # Set once a tick has scraped every discovered pod (answered or not): the gateway
+        # reports ready from then on, not while it would route blind to engines it has not
+        # seen (a dead one among them).
+        self.first_round = asyncio.Event()
 
     def _url(self, pod: Pod) -> URL:
         where = (pod.address, pod.metrics_port, pod.metrics_path)
@@ -265,6 +269,8 @@ class MetricsScraper:
                         log.error("metrics scrape of %s raised %r", pod.key, result)
         finally:
             self._pool.refresh_capacity(self._clock())
+            if self._pool.loaded:
+                self.first_round.set()
         present = {p.key for p in pods}
         if len(self._urls) > 2 * len(pods) + 64:  # addresses of pods long gone
             self._urls = {(p.address, p.metrics_port, p.metrics_path): self._url(p) for p in pods}

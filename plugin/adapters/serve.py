@@ -186,6 +186,7 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.draining = False
+        self._discovered = asyncio.Event()  # discovery delivered its first list
         # Free native memory back to the OS after bursts of large bodies (glibc only).
         self.trimmer = MemoryTrimmer.for_this_process()
 
@@ -196,9 +197,19 @@ class Gateway:
         self.router.pods_removed(sorted(before - {p.key for p in pods}))
         if first:
             log.info("pod discovery loaded: %d pods, models %s", len(pods), self.pool.models())
+            self._discovered.set()
             self._tasks.append(asyncio.ensure_future(self._set_serving()))
 
+    async def _scrape_from_discovery(self) -> None:
+        """Scrape from the moment discovery delivers, so the first round (and readiness) does
+        not wait a tick for it."""
+        await self._discovered.wait()
+        await self.scraper.run()
+
     async def _set_serving(self) -> None:
+        # Ready once the engines have been seen: a restarted gateway that took traffic before its
+        # first scrape would route blind (to a dead engine among others) for up to a tick.
+        await self.scraper.first_round.wait()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(
             "envoy.service.ext_proc.v3.ExternalProcessor",
@@ -256,7 +267,7 @@ class Gateway:
         self.http_port = int(addresses[0][1]) if addresses else self.settings.http_port
 
         self._background(self.source.run(self._on_pods), "pod discovery")
-        self._background(self.scraper.run(), "metrics scraping")
+        self._background(self._scrape_from_discovery(), "metrics scraping")
         if self.trimmer is not None:
             self._background(self.trimmer.run(), "native memory trimming")
         if self.shared is not None:
