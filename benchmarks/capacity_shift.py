@@ -34,6 +34,7 @@ from plugin_tools.demo.loadgen import Workload, run_open_loop
 from plugin_tools.demo.report import RequestResult
 from plugin_tools.demo.up import DEMO_OUTPUT_TOKENS, DEMO_PROMPT_WORDS, UpOptions, fleet_spec
 from plugin_tools.docsection import write_section
+from plugin_tools.sim.shift import traffic_follows
 
 WARMUP_S = 60.0
 STEADY_S = 60.0
@@ -166,17 +167,19 @@ async def main() -> None:
     names = (FAST, "l20-0", SLOW)
     lines = [
         "| strategy | TPOT p99 ms before | during (first 60 s) | after | re-rank s "
-        f"| share before ({' / '.join(names)}) | share after |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| traffic follows s | share before ({' / '.join(names)}) | share after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     failed = 0
     for r in runs:
         (before, b_reqs), (during, _), (after, a_reqs) = windows(r.results)
         failed += sum(not x.ok for x in r.results)
         re = "-" if r.strategy == "least-request" else f"{rerank(r.estimates):.0f}"
+        routed = ((x.started_at, r.names.get(x.replica or "")) for x in r.results if x.ok)
+        follows = traffic_follows(routed, WARMUP_S + STEADY_S, SLOW, FAST, span_s=AFTER_S)
         lines.append(
             f"| {r.strategy} | {1000 * before:.1f} | {1000 * during:.1f} | {1000 * after:.1f} "
-            f"| {re} | {' / '.join(f'{_share(r, b_reqs, n):.2f}' for n in names)} "
+            f"| {re} | {follows:.0f} | {' / '.join(f'{_share(r, b_reqs, n):.2f}' for n in names)} "
             f"| {' / '.join(f'{_share(r, a_reqs, n):.2f}' for n in names)} |"
         )
     table = "\n".join(lines)
@@ -196,7 +199,9 @@ async def main() -> None:
         " (`PUT /mock/step-costs`). load-balance learns from the engines' token counters, with"
         " the speed watch. Re-rank: seconds after the swap from which the plugin's estimate of"
         " the new fast replica stays above the new slow one's (`/debug/pods`, read each"
-        f" second). {sent} requests, {failed} failed.\n\n"
+        " second). Traffic follows: seconds after the swap to the first of five 2 s bins in a"
+        " row in each of which the new fast replica was sent more requests than the new slow"
+        f" one. {sent} requests, {failed} failed.\n\n"
         + table
         + "\n\n![capacity estimates around the swap](bench/capacity-shift-envoy.png)\n",
     )

@@ -9,7 +9,13 @@ import pytest
 
 from plugin_tools.sim.engine import parse_fleet
 from plugin_tools.sim.fleet import SpeedSwap, simulate
-from plugin_tools.sim.shift import format_markdown, shift_study
+from plugin_tools.sim.shift import (
+    FOLLOW_BIN_S,
+    FOLLOW_BINS,
+    format_markdown,
+    shift_study,
+    traffic_follows,
+)
 from plugin_tools.sim.sweep import Scenario, make_strategy
 from plugin_tools.sim.workload import CHAT
 
@@ -48,11 +54,34 @@ def test_the_engine_counter_re_ranks_within_15_s_and_nothing_flaps_before_the_sw
     assert counted.rerank_s is not None and engine.rerank_s is not None
     assert math.isfinite(engine.rerank_s) and engine.rerank_s < counted.rerank_s / 2
     assert engine.rerank_s <= 15
+    # Traffic turns to the new fast replica sooner than the estimates' order does.
+    assert engine.follows_s <= engine.rerank_s < counted.follows_s
     assert engine.tpot_p99[1] <= lr.tpot_p99[1]
     assert counted.flips_before == engine.flips_before == 0
     assert all(math.isfinite(v) for row in study.rows for v in row.tpot_p99)
     table = format_markdown(study)
     assert table.count("\n| ") == 2 + len(study.rows)
+
+
+def _sent(replica: int, arrival: float) -> tuple[float, int]:
+    return arrival, replica
+
+
+def test_traffic_follows_from_the_first_run_of_bins_the_new_fast_replica_wins() -> None:
+    """Bins where the new fast replica (1) gets more requests than the new slow one (0) count
+    only in a run of FOLLOW_BINS; one lucky bin does not, and later shares do not matter."""
+    at, width = 100.0, FOLLOW_BIN_S
+    records = [_sent(0, at + 0.5), _sent(0, at + 0.6)]  # bin 0: still the old fast one
+    records += [_sent(1, at + width + 0.5)]  # bin 1: one lucky bin ...
+    records += [_sent(0, at + 2 * width + 0.5)]  # ... broken by bin 2
+    start = 3
+    for i in range(start, start + FOLLOW_BINS):
+        records += [_sent(1, at + i * width + 0.2), _sent(1, at + i * width + 0.4)]
+        records += [_sent(0, at + i * width + 0.3), _sent(2, at + i * width + 0.5)]
+    records += [_sent(0, at + (start + FOLLOW_BINS) * width + 0.5)] * 3  # it settles elsewhere
+    assert traffic_follows(records, at, fast=1, slow=0) == start * width
+    assert traffic_follows(records[: -3 - 4], at, fast=1, slow=0) == math.inf  # one bin short
+    assert traffic_follows(records, at, fast=2, slow=0) == math.inf
 
 
 @pytest.mark.parametrize(("fleet", "load"), [("a100,3xa10", 0.9), ("a100,l20,v100", 1.0)])

@@ -12,7 +12,10 @@ the speed watch (`plugin.core.capacity.SpeedWatch`: a sudden change of a replica
 running request rescales its estimate at once).
 
 The re-rank time is how long after the swap the estimates put the new fast replica above the
-new slow one for good; flips before the swap count order changes of any two estimates in a
+new slow one for good; traffic follows from the first of five 2 s bins in a row in each of which
+the new fast replica was sent more requests than the new slow one (the estimates are achieved
+throughput, so at a low load their order waits for the traffic; the scores that route it can
+turn first); flips before the swap count order changes of any two estimates in a
 fleet where nothing changed (flapping under noise).
 
 `python -m plugin_tools.sim.shift` prints the Markdown table (`--help` for the knobs);
@@ -25,7 +28,7 @@ import argparse
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,7 +36,13 @@ from plugin.core.pool import PodPool
 from plugin.core.types import SloTarget
 from plugin_tools.docsection import write_section
 from plugin_tools.sim.engine import parse_fleet
-from plugin_tools.sim.fleet import GatewayModel, RunResult, SpeedSwap, replica_names, simulate
+from plugin_tools.sim.fleet import (
+    GatewayModel,
+    RunResult,
+    SpeedSwap,
+    replica_names,
+    simulate,
+)
 from plugin_tools.sim.metrics import DEFAULT_SLO
 from plugin_tools.sim.report import study_command
 from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
@@ -48,6 +57,7 @@ __all__ = [
     "format_sweep",
     "shift_study",
     "shift_sweep",
+    "traffic_follows",
 ]
 
 DEFAULT_FLEET = "a100,l20,v100"
@@ -55,6 +65,8 @@ WARMUP_S = 120.0  # learning before anything is measured
 STEADY_S = 120.0  # measured, nothing changes; then the swap
 AFTER_S = 240.0  # after the swap
 DURING_S = 60.0  # the transition window the issue names
+FOLLOW_BIN_S = 2.0  # arrivals counted per bin when judging where traffic goes
+FOLLOW_BINS = 5  # bins in a row: the traffic has turned, not one lucky bin
 VARIANTS: tuple[tuple[str, str, GatewayModel], ...] = (
     ("least-request", "least-request", GatewayModel()),
     ("load-balance, gateway counts", "load-balance", GatewayModel()),
@@ -67,6 +79,7 @@ class ShiftRow:
     variant: str
     tpot_p99: tuple[float, float, float]  # s: before, during (first 60 s), after the swap
     rerank_s: float | None  # None: no estimates (least-request), inf: never re-ranked
+    follows_s: float  # traffic follows the swap (`traffic_follows`); inf: never
     flips_before: int | None
     estimates: tuple[tuple[float, tuple[float | None, ...]], ...]  # (t, per replica) each scrape
 
@@ -122,6 +135,37 @@ def _rerank(
         else:
             since = None
     return math.inf if since is None else since - at
+
+
+def traffic_follows(
+    sent: Iterable[tuple[float, Hashable]],
+    at: float,
+    fast: Hashable,
+    slow: Hashable,
+    *,
+    span_s: float = AFTER_S,
+    bin_s: float = FOLLOW_BIN_S,
+) -> float:
+    """Seconds after `at` to the first of FOLLOW_BINS bins of `bin_s` in a row in each of which
+    the new fast replica was sent more of the arriving requests (`sent`: arrival, replica) than
+    the new slow one; inf if that never happens within `span_s`. What a user sees of a re-rank:
+    where the requests go, whatever the estimates' order. (Not "for good": where the GPUs'
+    memories differ, the fleet settles on other shares later.)"""
+    bins = math.ceil(span_s / bin_s)
+    to_fast, to_slow = [0] * bins, [0] * bins
+    for arrival, replica in sent:
+        i = math.floor((arrival - at) / bin_s)
+        if 0 <= i < bins:
+            if replica == fast:
+                to_fast[i] += 1
+            elif replica == slow:
+                to_slow[i] += 1
+    run = 0
+    for i in range(bins):
+        run = run + 1 if to_fast[i] > to_slow[i] else 0
+        if run == FOLLOW_BINS:
+            return (i - FOLLOW_BINS + 1) * bin_s
+    return math.inf
 
 
 def _flips(
@@ -183,6 +227,9 @@ def shift_study(
                 variant,
                 _tpot_windows(result, swap_at),
                 _rerank(estimates, swap_at, slow, fast) if learns else None,
+                traffic_follows(
+                    ((r.arrival, r.replica) for r in result.records), swap_at, slow, fast
+                ),
                 _flips(estimates, WARMUP_S, swap_at) if learns else None,
                 tuple(estimates),
             )
@@ -207,14 +254,17 @@ def format_markdown(study: ShiftStudy) -> str:
         f"Poisson arrivals at {study.load:g} x G* = {study.rate:.2f} req/s; seed {study.seed}.",
         "",
         "| variant | TPOT p99 ms before | during (first 60 s) | after | re-rank s "
-        "| order changes before the swap |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| traffic follows s | order changes before the swap |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in study.rows:
         before, during, after = (f"{1000 * v:.1f}" for v in row.tpot_p99)
         rerank = "-" if row.rerank_s is None else f"{row.rerank_s:.0f}"
         flips = "-" if row.flips_before is None else str(row.flips_before)
-        lines.append(f"| {row.variant} | {before} | {during} | {after} | {rerank} | {flips} |")
+        lines.append(
+            f"| {row.variant} | {before} | {during} | {after} | {rerank} "
+            f"| {row.follows_s:.0f} | {flips} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -227,16 +277,17 @@ def format_sweep(studies: Sequence[ShiftStudy]) -> str:
     """One row per run: the engine-counter variant's re-rank and p99 TPOT against
     least-request's, before the swap and in the first minute after it."""
     lines = [
-        "| load (x G*) | seed | re-rank s | TPOT p99 ms before: load-balance / least-request "
+        "| load (x G*) | seed | re-rank s | traffic follows s: load-balance / least-request "
+        "| TPOT p99 ms before: load-balance / least-request "
         "| during: load-balance / least-request | order changes before |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for study in studies:
         rows = {row.variant: row for row in study.rows}
         lb, lr = rows["load-balance, engine counter"], rows["least-request"]
         rerank = "-" if lb.rerank_s is None else f"{lb.rerank_s:.0f}"
         lines.append(
-            f"| {study.load:g} | {study.seed} | {rerank} "
+            f"| {study.load:g} | {study.seed} | {rerank} | {lb.follows_s:.0f} / {lr.follows_s:.0f} "
             f"| {1000 * lb.tpot_p99[0]:.1f} / {1000 * lr.tpot_p99[0]:.1f} "
             f"| {1000 * lb.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} | {lb.flips_before} |"
         )
@@ -315,7 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             " batch that cannot explain it, the estimate is rescaled by the streak's median at"
             " once. Re-rank is how long after the swap the new fast replica's estimate stays"
             " above the new slow one's: the estimate is achieved throughput, so that also waits"
-            " for traffic to move.\n\n"
+            " for traffic to move. Traffic follows from the first of five 2 s bins in a row in"
+            " each of which the new fast replica was sent more of the arriving requests than the"
+            " new slow one.\n\n"
             + table
             + ("\nOver loads and seeds (engine counter):\n\n" + sweep if sweep else "")
             + "\n![capacity estimates around the swap](sim/capacity-shift.png)\n"
