@@ -28,7 +28,11 @@ import pytest
 import yaml
 
 from plugin.adapters.envoy_config import ORIGINAL_DST_CLUSTER, EnvoyOptions, render_bootstrap
-from plugin.adapters.steering import LB_METADATA_NAMESPACE, TARGET_POD_HEADER
+from plugin.adapters.steering import (
+    LB_METADATA_NAMESPACE,
+    REPLY_METADATA_NAMESPACE,
+    TARGET_POD_HEADER,
+)
 from plugin.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENV_VARS,
@@ -38,7 +42,7 @@ from plugin.config import (
 )
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 from plugin.errors import ConfigError
-from tests.helpers import REPO
+from tests.helpers import REPO, bootstrap_hcm
 
 pytestmark = pytest.mark.component
 
@@ -53,6 +57,9 @@ AUTOSCALING = "autoscaling"  # shared-state + AIBrix PodAutoscalers for the samp
 ALL_OVERLAYS = (*OVERLAYS, SHARED_STATE, AUTOSCALING)
 SHARED_STATE_COMPONENT = DEPLOY / "components" / SHARED_STATE
 OPTIMIZER_COMPONENT = DEPLOY / "components" / "optimizer"
+OPENAI_ERRORS_COMPONENT = DEPLOY / "components" / "openai-errors"
+ORIGINAL_DST_POLICY = "hetero-gateway-original-dst"
+OPENAI_ERRORS_POLICY = "hetero-gateway-openai-errors"
 GATEWAY_GROUPS = ("gateway.envoyproxy.io", "gateway.networking.k8s.io")
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "GatewayClass"}
 PART_OF = ("app.kubernetes.io/part-of", "hetero-gateway")
@@ -451,7 +458,7 @@ def _set(path: str, value: Any) -> Callable[[Obj], None]:
 def test_schema_check_catches_mistakes(
     kind: str, mutate: Callable[[Obj], None], expect: str, render: Kustomize, crds: Crds
 ) -> None:
-    obj = one(render("original-dst"), kind)
+    obj = find(render("original-dst"), kind)[0]
     assert schema_errors(crds, obj) == []
     mutate(obj)
     errors = schema_errors(crds, obj)
@@ -671,7 +678,10 @@ def test_extension_policy_wires_the_plugin(overlay: str, render: Kustomize) -> N
     # so its message timeout is the standalone config's longest wait for a reply.
     assert duration_s(routing["messageTimeout"]) == standalone.max_message_timeout_s
     assert routing["statusOnError"] == 503
-    assert routing["metadata"]["writableNamespaces"] == [LB_METADATA_NAMESPACE]
+    assert routing["metadata"]["writableNamespaces"] == [
+        LB_METADATA_NAMESPACE,
+        REPLY_METADATA_NAMESPACE,
+    ]
     assert "shadowMode" not in routing
     # Fail-open only where a request without a pick still has somewhere to go.
     assert routing["failOpen"] is (overlay == "override-host")
@@ -726,7 +736,7 @@ _JSONPATH = re.compile(r"\.\.routes\[\?match\(@\.name, '(?P<regex>[^']+)'\)\]")
 
 def test_patch_policy_names_match_the_rendered_resources(render: Kustomize) -> None:
     objs = render("original-dst")
-    epp = one(objs, "EnvoyPatchPolicy")
+    epp = one(objs, "EnvoyPatchPolicy", ORIGINAL_DST_POLICY)
     gateway = one(objs, "Gateway")
     route = one(objs, "HTTPRoute")
     ns = gateway["metadata"]["namespace"]
@@ -772,7 +782,7 @@ def test_patch_policy_names_match_the_rendered_resources(render: Kustomize) -> N
 
 
 def test_patch_policy_cluster_is_the_standalone_original_dst_cluster(render: Kustomize) -> None:
-    epp = one(render("original-dst"), "EnvoyPatchPolicy")
+    epp = one(render("original-dst"), "EnvoyPatchPolicy", ORIGINAL_DST_POLICY)
     cluster = epp["spec"]["jsonPatches"][0]["operation"]["value"]
     [standalone] = [
         c
@@ -783,6 +793,56 @@ def test_patch_policy_cluster_is_the_standalone_original_dst_cluster(render: Kus
     # test_envoy_config): ORIGINAL_DST on `target-pod`, its buffer and circuit breakers.
     assert cluster == standalone
     assert cluster["original_dst_lb_config"]["http_header_name"] == TARGET_POD_HEADER
+
+
+def check_openai_errors(objs: list[Obj]) -> None:
+    """The listener patch adds exactly the standalone bootstrap's local-reply mappers to the
+    Gateway's own listener, where Envoy Gateway documents its HTTP connection manager."""
+    epp = one(objs, "EnvoyPatchPolicy", OPENAI_ERRORS_POLICY)
+    gateway = one(objs, "Gateway")
+    ns, name = gateway["metadata"]["namespace"], gateway["metadata"]["name"]
+    assert epp["metadata"]["namespace"] == ns
+    assert epp["spec"]["targetRef"] == {
+        "group": "gateway.networking.k8s.io",
+        "kind": "Gateway",
+        "name": name,
+    }
+    [patch] = epp["spec"]["jsonPatches"]
+    assert patch["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener"
+    assert patch["name"] in {
+        f"{ns}/{name}/{listener['name']}" for listener in gateway["spec"]["listeners"]
+    }
+    op = patch["operation"]
+    assert (op["op"], op["path"]) == (
+        "add",
+        "/default_filter_chain/filters/0/typed_config/local_reply_config",
+    )
+    hcm = bootstrap_hcm(render_bootstrap(EnvoyOptions()))
+    # The mappers Envoy accepts in test_envoy_config and the data-plane tests exercise.
+    assert op["value"] == hcm["local_reply_config"]
+    # They spare the plugin's own replies only if the routing filter may write their marker.
+    routing = one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]
+    assert REPLY_METADATA_NAMESPACE in routing["metadata"]["writableNamespaces"]
+    spared = [
+        f["metadata_filter"]["matcher"]["filter"]
+        for m in op["value"]["mappers"]
+        for f in m["filter"]["and_filter"]["filters"]
+        if "metadata_filter" in f
+    ]
+    assert spared == [REPLY_METADATA_NAMESPACE] * len(op["value"]["mappers"])
+
+
+def test_original_dst_maps_envoys_own_errors_to_openai_shape(render: Kustomize) -> None:
+    check_openai_errors(render("original-dst"))
+
+
+def test_openai_errors_component_also_fits_override_host(tmp_path: Path, render: Kustomize) -> None:
+    """Opt-in for override-host (it needs EnvoyPatchPolicy enabled, which that variant otherwise
+    does not); the variant stays fail-open and gets no other patch."""
+    objs = override_host_with(tmp_path, render, OPENAI_ERRORS_COMPONENT)
+    check_openai_errors(objs)
+    assert [o["metadata"]["name"] for o in find(objs, "EnvoyPatchPolicy")] == [OPENAI_ERRORS_POLICY]
+    assert one(objs, "EnvoyExtensionPolicy")["spec"]["extProc"][0]["failOpen"] is True
 
 
 def test_override_host_follows_the_pick_and_falls_back_to_round_robin(render: Kustomize) -> None:
@@ -843,8 +903,9 @@ def test_buffer_limits_equal_the_plugin_message_limit(overlay: str, render: Kust
         http2["initialStreamWindowSize"]
     )
     for epp in find(objs, "EnvoyPatchPolicy"):
-        value = epp["spec"]["jsonPatches"][0]["operation"]["value"]
-        assert value["per_connection_buffer_limit_bytes"] == limit
+        if epp["metadata"]["name"] == ORIGINAL_DST_POLICY:  # the cluster it adds
+            value = epp["spec"]["jsonPatches"][0]["operation"]["value"]
+            assert value["per_connection_buffer_limit_bytes"] == limit
 
 
 def test_stream_idle_timeout_matches_the_standalone_bootstrap(render: Kustomize) -> None:
