@@ -9,7 +9,8 @@ engine args). The plugin's `/debug/pods` is read every second for each pod's cap
 (learned from the engines' own token counters, with the speed watch).
 
 Reported: p99 time per output token of the requests that arrived in the STEADY_S before the
-swap, in the first DURING_S after it and after that; how long after the swap load-balance's
+swap and finished before it, of those running at the swap or arriving in the first DURING_S
+after it, and of those arriving later; how long after the swap load-balance's
 estimates put the new fast replica above the new slow one for good; each replica's share.
 
     python benchmarks/capacity_shift.py       # about 9 minutes
@@ -34,7 +35,7 @@ from plugin_tools.demo.loadgen import Workload, run_open_loop
 from plugin_tools.demo.report import RequestResult
 from plugin_tools.demo.up import DEMO_OUTPUT_TOKENS, DEMO_PROMPT_WORDS, UpOptions, fleet_spec
 from plugin_tools.docsection import write_section
-from plugin_tools.sim.shift import traffic_follows
+from plugin_tools.sim.shift import traffic_follows, transition_window
 
 WARMUP_S = 60.0
 STEADY_S = 60.0
@@ -106,14 +107,19 @@ def _p99(values: list[float]) -> float:
 
 
 def windows(results: list[RequestResult]) -> list[tuple[float, list[RequestResult]]]:
-    """(p99 TPOT, requests) of those that arrived before, during and after the transition."""
+    """(p99 TPOT, requests) before, during and after the transition (`transition_window`: a
+    request running at the swap counts in the transition, not before it)."""
     at = WARMUP_S + STEADY_S
-    spans = ((at - STEADY_S, at), (at, at + DURING_S), (at + DURING_S, at + AFTER_S))
-    out = []
-    for lo, hi in spans:
-        mine = [r for r in results if lo <= r.started_at < hi and r.ok]
-        out.append((_p99([t for r in mine if (t := r.tpot_s) is not None]), mine))
-    return out
+    mine: tuple[list[RequestResult], ...] = ([], [], [])
+    for r in results:
+        if r.ok and r.latency_s is not None:
+            finish = r.started_at + r.latency_s
+            window = transition_window(
+                r.started_at, finish, at, steady_s=STEADY_S, during_s=DURING_S, after_s=AFTER_S
+            )
+            if window is not None:
+                mine[window].append(r)
+    return [(_p99([t for r in m if (t := r.tpot_s) is not None]), m) for m in mine]
 
 
 def rerank(estimates: list[tuple[float, dict[str, float | None]]]) -> float:
@@ -201,7 +207,10 @@ async def main() -> None:
         " the new fast replica stays above the new slow one's (`/debug/pods`, read each"
         " second). Traffic follows: seconds after the swap to the first of five 2 s bins in a"
         " row in each of which the new fast replica was sent more requests than the new slow"
-        f" one. {sent} requests, {failed} failed.\n\n"
+        " one. Windows: before counts requests that arrived in the"
+        f" {STEADY_S:g} s before the swap and finished before it; during, those running at the"
+        f" swap or arriving in the {DURING_S:g} s after it; after, those arriving later."
+        f" {sent} requests, {failed} failed.\n\n"
         + table
         + "\n\n![capacity estimates around the swap](bench/capacity-shift-envoy.png)\n",
     )

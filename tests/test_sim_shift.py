@@ -10,11 +10,15 @@ import pytest
 from plugin_tools.sim.engine import parse_fleet
 from plugin_tools.sim.fleet import SpeedSwap, simulate
 from plugin_tools.sim.shift import (
+    AFTER_S,
+    DURING_S,
     FOLLOW_BIN_S,
     FOLLOW_BINS,
+    STEADY_S,
     format_markdown,
     shift_study,
     traffic_follows,
+    transition_window,
 )
 from plugin_tools.sim.sweep import Scenario, make_strategy
 from plugin_tools.sim.workload import CHAT
@@ -57,10 +61,25 @@ def test_the_engine_counter_re_ranks_within_15_s_and_nothing_flaps_before_the_sw
     # Traffic turns to the new fast replica sooner than the estimates' order does.
     assert engine.follows_s <= engine.rerank_s < counted.follows_s
     assert engine.tpot_p99[1] <= lr.tpot_p99[1]
+    # The bounds: told of the swap at once, load-balance's first minute beats least-request's
+    # and the watch's; a second later it has lost part of that. Before the swap they are one run.
+    told, later = rows["load-balance, told at the swap"], rows["load-balance, told 1 s later"]
+    assert told.tpot_p99[1] < min(engine.tpot_p99[1], lr.tpot_p99[1], later.tpot_p99[1])
+    assert told.tpot_p99[0] == later.tpot_p99[0] == engine.tpot_p99[0] < lr.tpot_p99[0]
     assert counted.flips_before == engine.flips_before == 0
     assert all(math.isfinite(v) for row in study.rows for v in row.tpot_p99)
     table = format_markdown(study)
     assert table.count("\n| ") == 2 + len(study.rows)
+
+
+def test_a_request_running_at_the_swap_counts_in_the_transition() -> None:
+    at = 1000.0
+    assert transition_window(at - 50, at - 1, at) == 0  # before, done before
+    assert transition_window(at - 50, at + 1, at) == 1  # running at the swap: its cost
+    assert transition_window(at + 10, at + 20, at) == 1
+    assert transition_window(at + DURING_S, at + DURING_S + 5, at) == 2
+    assert transition_window(at - STEADY_S - 1, at - 50, at) is None  # warm-up
+    assert transition_window(at + AFTER_S, at + AFTER_S + 1, at) is None
 
 
 def _sent(replica: int, arrival: float) -> tuple[float, int]:
@@ -100,7 +119,7 @@ def test_the_speed_watch_stays_still_where_nothing_changed(
     monkeypatch.setattr(
         CapacityEstimator, "rescale", lambda self, key, factor: rescaled.append((key, factor))
     )
-    gateway = next(g for _, _, g in VARIANTS if g.engine_tokens)
+    gateway = next(g for _, _, g, told in VARIANTS if g.engine_tokens and told is None)
     profiles = tuple(parse_fleet(fleet))
     scenario = Scenario(profiles, CHAT, warmup_s=60.0, seed=1)
     rate = load * sum(slo_capacities(scenario).values())

@@ -69,6 +69,10 @@ class SpeedSwap:
     at_s: float
     a: int
     b: int
+    # The gateway is told this long after the swap (None: never): their capacity estimates are
+    # exchanged then, as a perfect detector with that delay would (the bound for any way of
+    # learning the change).
+    told_after_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +165,7 @@ def _counters(engine: SimEngine) -> tuple[int, float, int, int, int]:
     )
 
 
-_STEP, _SCRAPE, _DELIVER, _MARK, _DECIDED, _DEADLINE, _SWAP = 0, 1, 2, 3, 4, 5, 6
+_STEP, _SCRAPE, _DELIVER, _MARK, _DECIDED, _DEADLINE, _SWAP, _TELL = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def simulate(
@@ -195,10 +199,8 @@ def simulate(
         for i, (n, p) in enumerate(zip(names, profiles, strict=True))
     ]
     index = {p.key: i for i, p in enumerate(pods)}
-    pool = PodPool(
-        CapacityEstimator(gw.capacity_window_s, gw.capacity_tau_s),
-        gw.scrape_interval_s * gw.metrics_max_age_intervals,
-    )
+    estimator = CapacityEstimator(gw.capacity_window_s, gw.capacity_tau_s)
+    pool = PodPool(estimator, gw.scrape_interval_s * gw.metrics_max_age_intervals)
     if book is not None:
         pool.use_profiles(book)
     pool.set_pods(pods)
@@ -362,6 +364,15 @@ def simulate(
             one, other = first.profile, second.profile
             first.profile = replace(one, a_ms=other.a_ms, b_ms=other.b_ms, p_ms=other.p_ms)
             second.profile = replace(other, a_ms=one.a_ms, b_ms=one.b_ms, p_ms=one.p_ms)
+            if data.told_after_s is not None:
+                push(now + data.told_after_s, _TELL, data)
+        elif kind == _TELL:
+            key_a, key_b = pods[data.a].key, pods[data.b].key
+            est_a, est_b = estimator.estimate(key_a), estimator.estimate(key_b)
+            if est_a and est_b:
+                estimator.rescale(key_a, est_b / est_a)
+                estimator.rescale(key_b, est_a / est_b)
+                pool.refresh_capacity(now)  # routing sees estimates as each tick ends
         elif kind == _DELIVER:
             key, metrics = data
             # Stamped on arrival, as the plugin's scraper does: a late scrape is stale data,

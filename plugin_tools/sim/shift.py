@@ -9,7 +9,13 @@ Variants: least-request; load-balance learning from the output tokens the gatewa
 completed responses (the default wiring); load-balance learning from the engines' own
 generated-token counters (`vllm:generation_tokens_total`, read at each scrape), which also feed
 the speed watch (`plugin.core.capacity.SpeedWatch`: a sudden change of a replica's tokens per
-running request rescales its estimate at once).
+running request rescales its estimate at once); and two bounds, load-balance whose estimates the
+simulator exchanges at the swap or one scrape (1 s) after it, as a perfect detector with that
+delay would.
+
+Windows: before counts the requests that arrived in the STEADY_S before the swap and finished
+before it; during, those the swap touched in its first minute (running at the swap, or arriving
+in the DURING_S after it); after, those that arrived later (`transition_window`).
 
 The re-rank time is how long after the swap the estimates put the new fast replica above the
 new slow one for good; traffic follows from the first of five 2 s bins in a row in each of which
@@ -58,6 +64,7 @@ __all__ = [
     "shift_study",
     "shift_sweep",
     "traffic_follows",
+    "transition_window",
 ]
 
 DEFAULT_FLEET = "a100,l20,v100"
@@ -67,10 +74,15 @@ AFTER_S = 240.0  # after the swap
 DURING_S = 60.0  # the transition window the issue names
 FOLLOW_BIN_S = 2.0  # arrivals counted per bin when judging where traffic goes
 FOLLOW_BINS = 5  # bins in a row: the traffic has turned, not one lucky bin
-VARIANTS: tuple[tuple[str, str, GatewayModel], ...] = (
-    ("least-request", "least-request", GatewayModel()),
-    ("load-balance, gateway counts", "load-balance", GatewayModel()),
-    ("load-balance, engine counter", "load-balance", GatewayModel(engine_tokens=True)),
+# (label, strategy, what the gateway observes, when it is told of the swap: None never)
+VARIANTS: tuple[tuple[str, str, GatewayModel, float | None], ...] = (
+    ("least-request", "least-request", GatewayModel(), None),
+    ("load-balance, gateway counts", "load-balance", GatewayModel(), None),
+    ("load-balance, engine counter", "load-balance", GatewayModel(engine_tokens=True), None),
+    # Bounds: the estimates exchanged at the swap or one scrape after it, as a perfect detector
+    # with that delay would do.
+    ("load-balance, told at the swap", "load-balance", GatewayModel(engine_tokens=True), 0.0),
+    ("load-balance, told 1 s later", "load-balance", GatewayModel(engine_tokens=True), 1.0),
 )
 
 
@@ -103,20 +115,37 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
+def transition_window(
+    arrival: float,
+    finish: float,
+    at: float,
+    *,
+    steady_s: float = STEADY_S,
+    during_s: float = DURING_S,
+    after_s: float = AFTER_S,
+) -> int | None:
+    """Which window a request counts in: 0 before the swap (it arrived in the `steady_s` before
+    it and finished before it), 1 during (it was running at the swap or arrived in the
+    `during_s` after it: every request the change touched in its first minute), 2 after (it
+    arrived later, within `after_s`); None outside them. A request that straddles the swap is
+    the transition's cost, not the steady state's: counted before, it would charge a strategy
+    that puts more requests on the replica that slows down for the swap before it happened."""
+    if arrival < at - steady_s or arrival >= at + after_s:
+        return None
+    if finish < at:
+        return 0
+    return 1 if arrival < at + during_s else 2
+
+
 def _tpot_windows(result: RunResult, at: float) -> tuple[float, float, float]:
-    spans = ((at - STEADY_S, at), (at, at + DURING_S), (at + DURING_S, at + AFTER_S))
-    out = []
-    for lo, hi in spans:
-        out.append(
-            _p99(
-                [
-                    r.tpot
-                    for r in result.records
-                    if lo <= r.arrival < hi and r.completed and r.output_tokens > 1
-                ]
-            )
-        )
-    return out[0], out[1], out[2]
+    tpots: tuple[list[float], ...] = ([], [], [])
+    for r in result.records:
+        if r.completed and r.output_tokens > 1:
+            window = transition_window(r.arrival, r.finish, at)
+            if window is not None:
+                tpots[window].append(r.tpot)
+    before, during, after = (_p99(t) for t in tpots)
+    return before, during, after
 
 
 def _rerank(
@@ -200,7 +229,7 @@ def shift_study(
     total_s = swap_at + AFTER_S
     requests = generate(lengths, Arrivals(), rate, math.ceil(rate * total_s), random.Random(seed))
     rows = []
-    for variant, name, gateway in VARIANTS:
+    for variant, name, gateway, told in VARIANTS:
         estimates: list[tuple[float, tuple[float | None, ...]]] = []
 
         def record(
@@ -218,7 +247,7 @@ def shift_study(
             gateway=gateway,
             seed=seed,
             max_tokens=lengths.max_output,
-            swap=SpeedSwap(swap_at, fast, slow),
+            swap=SpeedSwap(swap_at, fast, slow, told),
             on_scrape=record,
         )
         learns = name != "least-request"
@@ -275,21 +304,26 @@ def shift_sweep(fleet: str, loads: Sequence[float], seeds: Sequence[int]) -> lis
 
 def format_sweep(studies: Sequence[ShiftStudy]) -> str:
     """One row per run: the engine-counter variant's re-rank and p99 TPOT against
-    least-request's, before the swap and in the first minute after it."""
+    least-request's, before the swap and in the first minute after it, and what load-balance
+    told of the swap at once or one scrape later (bounds for any detector) gets in that
+    minute."""
     lines = [
         "| load (x G*) | seed | re-rank s | traffic follows s: load-balance / least-request "
         "| TPOT p99 ms before: load-balance / least-request "
-        "| during: load-balance / least-request | order changes before |",
+        "| during: load-balance / told at the swap / told 1 s later / least-request "
+        "| order changes before |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for study in studies:
         rows = {row.variant: row for row in study.rows}
         lb, lr = rows["load-balance, engine counter"], rows["least-request"]
+        told, later = rows["load-balance, told at the swap"], rows["load-balance, told 1 s later"]
         rerank = "-" if lb.rerank_s is None else f"{lb.rerank_s:.0f}"
         lines.append(
             f"| {study.load:g} | {study.seed} | {rerank} | {lb.follows_s:.0f} / {lr.follows_s:.0f} "
             f"| {1000 * lb.tpot_p99[0]:.1f} / {1000 * lr.tpot_p99[0]:.1f} "
-            f"| {1000 * lb.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} | {lb.flips_before} |"
+            f"| {1000 * lb.tpot_p99[1]:.1f} / {1000 * told.tpot_p99[1]:.1f} "
+            f"/ {1000 * later.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} | {lb.flips_before} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -302,8 +336,15 @@ def plot(study: ShiftStudy, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     learning = [row for row in study.rows if row.estimates and row.rerank_s is not None]
-    fig, axes = plt.subplots(1, len(learning), figsize=(5.5 * len(learning), 3.6), sharey=True)
-    for ax, row in zip(axes if len(learning) > 1 else [axes], learning, strict=True):
+    cols = min(2, len(learning))
+    rows = math.ceil(len(learning) / cols)
+    fig, grid = plt.subplots(
+        rows, cols, figsize=(5.5 * cols, 3.2 * rows), sharey=True, squeeze=False
+    )
+    axes = [ax for line in grid for ax in line]
+    for ax in axes[len(learning) :]:
+        ax.set_visible(False)
+    for ax, row in zip(axes, learning, strict=False):
         times = [t for t, _ in row.estimates]
         for i, name in enumerate(study.replicas):
             ax.plot(times, [v[i] if v[i] is not None else float("nan") for _, v in row.estimates],
@@ -311,8 +352,9 @@ def plot(study: ShiftStudy, path: Path) -> None:
         ax.axvline(study.swap_at_s, color="grey", linestyle="--", linewidth=1)
         ax.set_title(f"{row.variant}: re-rank {row.rerank_s:.0f} s", fontsize=9)
         ax.set_xlabel("simulated time (s)")
-    (axes[0] if len(learning) > 1 else axes).set_ylabel("capacity estimate (tokens/s)")
-    (axes[0] if len(learning) > 1 else axes).legend(fontsize=8)
+    for line in grid:
+        line[0].set_ylabel("capacity estimate (tokens/s)")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
