@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from plugin.core.capacity import CapacityEstimator
@@ -147,6 +147,10 @@ def test_ours_sends_nothing_to_a_replica_at_its_batch_cap() -> None:
     factor=st.sampled_from((0.5, 1.0, 1.5, 2.0, 3.0)),
     seed=st.integers(0, 1000),
 )
+# An exact tie with the factor that AIBrix's float arithmetic settles as imbalanced
+# (1.5 * (47 / 3 + 1) rounds just below 25): a slack on the comparisons once decided it the
+# other way.
+@example(running=[0, 22, 25, 25], capacity=1.0, min_gap=0, factor=1.5, seed=0)
 def test_equal_capacities_give_aibrix_rule(
     running: list[int], capacity: float, min_gap: int, factor: float, seed: int
 ) -> None:

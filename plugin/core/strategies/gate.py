@@ -61,8 +61,16 @@ from plugin.core.view import CandidateView, choose_tied, tied_run, usable_capaci
 __all__ = ["Gated", "ImbalanceGate", "ImbalanceSettings"]
 
 # Capacity-aware loads are ratios of floats: with equal capacities they may land an ulp off the
-# integer counts AIBrix compares. This much of a request keeps such a case on AIBrix's side.
-_SLACK = 1e-9
+# integer counts AIBrix compares. A load this close (relative) to a whole number of requests is
+# taken as that number, so equal capacities reproduce AIBrix's arithmetic exactly, ties included
+# (a slack on the comparisons instead broke ties that AIBrix's own float sums settle).
+_SNAP = 1e-9
+
+
+def _snap(value: float) -> float:
+    """`value`, or the whole number it is within `_SNAP` of."""
+    whole = float(round(value))
+    return whole if abs(value - whole) <= _SNAP * max(1.0, abs(value)) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,21 +164,24 @@ class ImbalanceGate:
         go), of the least loaded of all, of the busiest. The running total is asked for only
         when the test needs it."""
         settings = self.settings
-        slack = _SLACK if settings.capacity_aware else 0.0
-        target, least, most = (k * scale for k in keys)
-        if most - target < settings.min_gap - slack:
+        if settings.capacity_aware:
+            target, least, most = (_snap(k * scale) for k in keys)
+            others = n - _snap(busiest_unit / scale)  # the others' capacity, in mean capacities
+        else:
+            target, least, most = keys
+            others = n - 1.0
+        if most - target < settings.min_gap:
             return False
         if n <= 2:
             return True
         # The others' level is a capacity-weighted mean of their loads, so at least `least`:
         # when even that keeps the busiest within the factor, no sum is needed.
-        if most <= settings.factor * (least + 1.0) + slack:
+        if most <= settings.factor * (least + 1.0):
             return False
-        others = n - busiest_unit / scale  # the others' capacity, in mean capacities
         if others <= 0:
             return False
         rest = (running_total() - busiest.running) / others
-        return most > settings.factor * (rest + 1.0) + slack
+        return most > settings.factor * (rest + 1.0)
 
     def _plain(self, candidates: Sequence[Candidate], rng: random.Random) -> Candidate | None:
         """The rule, over every candidate."""
