@@ -10,7 +10,8 @@ engine args). The plugin's `/debug/pods` is read every second for each pod's cap
 
 Reported: p99 time per output token of the requests that arrived in the STEADY_S before the
 swap and finished before it, of those running at the swap or arriving in the first DURING_S
-after it, and of those arriving later; how long after the swap load-balance's
+after it (and, apart, of those of them that arrived after the swap: what routing decided), and
+of those arriving later; how long after the swap load-balance's
 estimates put the new fast replica above the new slow one for good; each replica's share.
 
     python benchmarks/capacity_shift.py       # about 9 minutes
@@ -172,20 +173,26 @@ async def main() -> None:
         runs.append(await run(strategy))
     names = (FAST, "l20-0", SLOW)
     lines = [
-        "| strategy | TPOT p99 ms before | during (first 60 s) | after | re-rank s "
-        f"| traffic follows s | share before ({' / '.join(names)}) | share after |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| strategy | TPOT p99 ms before | during (first 60 s) | of which arrived after the swap "
+        f"| after | re-rank s | traffic follows s | share before ({' / '.join(names)}) "
+        "| share after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     failed = 0
     for r in runs:
-        (before, b_reqs), (during, _), (after, a_reqs) = windows(r.results)
+        (before, b_reqs), (during, d_reqs), (after, a_reqs) = windows(r.results)
+        at = WARMUP_S + STEADY_S
+        routed_after = _p99(
+            [t for x in d_reqs if x.started_at >= at and (t := x.tpot_s) is not None]
+        )
         failed += sum(not x.ok for x in r.results)
         re = "-" if r.strategy == "least-request" else f"{rerank(r.estimates):.0f}"
         routed = ((x.started_at, r.names.get(x.replica or "")) for x in r.results if x.ok)
-        follows = traffic_follows(routed, WARMUP_S + STEADY_S, SLOW, FAST, span_s=AFTER_S)
+        follows = traffic_follows(routed, at, SLOW, FAST, span_s=AFTER_S)
         lines.append(
-            f"| {r.strategy} | {1000 * before:.1f} | {1000 * during:.1f} | {1000 * after:.1f} "
-            f"| {re} | {follows:.0f} | {' / '.join(f'{_share(r, b_reqs, n):.2f}' for n in names)} "
+            f"| {r.strategy} | {1000 * before:.1f} | {1000 * during:.1f} "
+            f"| {1000 * routed_after:.1f} | {1000 * after:.1f} | {re} | {follows:.0f} "
+            f"| {' / '.join(f'{_share(r, b_reqs, n):.2f}' for n in names)} "
             f"| {' / '.join(f'{_share(r, a_reqs, n):.2f}' for n in names)} |"
         )
     table = "\n".join(lines)
@@ -209,7 +216,9 @@ async def main() -> None:
         " row in each of which the new fast replica was sent more requests than the new slow"
         " one. Windows: before counts requests that arrived in the"
         f" {STEADY_S:g} s before the swap and finished before it; during, those running at the"
-        f" swap or arriving in the {DURING_S:g} s after it; after, those arriving later."
+        f" swap or arriving in the {DURING_S:g} s after it (and apart, those of them that"
+        " arrived after the swap, whose replica was chosen after the change); after, those"
+        " arriving later."
         f" {sent} requests, {failed} failed.\n\n"
         + table
         + "\n\n![capacity estimates around the swap](bench/capacity-shift-envoy.png)\n",

@@ -68,6 +68,8 @@ def test_the_engine_counter_re_ranks_within_15_s_and_nothing_flaps_before_the_sw
     assert told.tpot_p99[0] == later.tpot_p99[0] == engine.tpot_p99[0] < lr.tpot_p99[0]
     assert counted.flips_before == engine.flips_before == 0
     assert all(math.isfinite(v) for row in study.rows for v in row.tpot_p99)
+    # The first minute's requests routed after the swap are measured apart, in every variant.
+    assert all(math.isfinite(row.routed_after_p99) for row in study.rows)
     table = format_markdown(study)
     assert table.count("\n| ") == 2 + len(study.rows)
 

@@ -15,7 +15,9 @@ delay would.
 
 Windows: before counts the requests that arrived in the STEADY_S before the swap and finished
 before it; during, those the swap touched in its first minute (running at the swap, or arriving
-in the DURING_S after it); after, those that arrived later (`transition_window`).
+in the DURING_S after it); after, those that arrived later (`transition_window`). The part of
+the transition that routing decides is reported apart: the requests of the first minute that
+arrived after the swap (those running at it were placed before anything changed).
 
 The re-rank time is how long after the swap the estimates put the new fast replica above the
 new slow one for good; traffic follows from the first of five 2 s bins in a row in each of which
@@ -90,6 +92,7 @@ VARIANTS: tuple[tuple[str, str, GatewayModel, float | None], ...] = (
 class ShiftRow:
     variant: str
     tpot_p99: tuple[float, float, float]  # s: before, during (first 60 s), after the swap
+    routed_after_p99: float  # s: of the first minute's requests, those arriving after the swap
     rerank_s: float | None  # None: no estimates (least-request), inf: never re-ranked
     follows_s: float  # traffic follows the swap (`traffic_follows`); inf: never
     flips_before: int | None
@@ -137,15 +140,20 @@ def transition_window(
     return 1 if arrival < at + during_s else 2
 
 
-def _tpot_windows(result: RunResult, at: float) -> tuple[float, float, float]:
+def _tpot_windows(result: RunResult, at: float) -> tuple[tuple[float, float, float], float]:
+    """p99 TPOT before, during and after the swap, and of the requests in the transition that
+    arrived after the swap."""
     tpots: tuple[list[float], ...] = ([], [], [])
+    routed_after: list[float] = []
     for r in result.records:
         if r.completed and r.output_tokens > 1:
             window = transition_window(r.arrival, r.finish, at)
             if window is not None:
                 tpots[window].append(r.tpot)
+                if window == 1 and r.arrival >= at:
+                    routed_after.append(r.tpot)
     before, during, after = (_p99(t) for t in tpots)
-    return before, during, after
+    return (before, during, after), _p99(routed_after)
 
 
 def _rerank(
@@ -251,10 +259,12 @@ def shift_study(
             on_scrape=record,
         )
         learns = name != "least-request"
+        windows, routed_after = _tpot_windows(result, swap_at)
         rows.append(
             ShiftRow(
                 variant,
-                _tpot_windows(result, swap_at),
+                windows,
+                routed_after,
                 _rerank(estimates, swap_at, slow, fast) if learns else None,
                 traffic_follows(
                     ((r.arrival, r.replica) for r in result.records), swap_at, slow, fast
@@ -282,17 +292,17 @@ def format_markdown(study: ShiftStudy) -> str:
         f"(after {WARMUP_S:g} s of warm-up and {STEADY_S:g} s measured at steady state); "
         f"Poisson arrivals at {study.load:g} x G* = {study.rate:.2f} req/s; seed {study.seed}.",
         "",
-        "| variant | TPOT p99 ms before | during (first 60 s) | after | re-rank s "
-        "| traffic follows s | order changes before the swap |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | TPOT p99 ms before | during (first 60 s) | of which arrived after the swap "
+        "| after | re-rank s | traffic follows s | order changes before the swap |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in study.rows:
         before, during, after = (f"{1000 * v:.1f}" for v in row.tpot_p99)
         rerank = "-" if row.rerank_s is None else f"{row.rerank_s:.0f}"
         flips = "-" if row.flips_before is None else str(row.flips_before)
         lines.append(
-            f"| {row.variant} | {before} | {during} | {after} | {rerank} "
-            f"| {row.follows_s:.0f} | {flips} |"
+            f"| {row.variant} | {before} | {during} | {1000 * row.routed_after_p99:.1f} "
+            f"| {after} | {rerank} | {row.follows_s:.0f} | {flips} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -311,8 +321,9 @@ def format_sweep(studies: Sequence[ShiftStudy]) -> str:
         "| load (x G*) | seed | re-rank s | traffic follows s: load-balance / least-request "
         "| TPOT p99 ms before: load-balance / least-request "
         "| during: load-balance / told at the swap / told 1 s later / least-request "
+        "| during, arrived after the swap: load-balance / least-request "
         "| order changes before |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for study in studies:
         rows = {row.variant: row for row in study.rows}
@@ -323,7 +334,9 @@ def format_sweep(studies: Sequence[ShiftStudy]) -> str:
             f"| {study.load:g} | {study.seed} | {rerank} | {lb.follows_s:.0f} / {lr.follows_s:.0f} "
             f"| {1000 * lb.tpot_p99[0]:.1f} / {1000 * lr.tpot_p99[0]:.1f} "
             f"| {1000 * lb.tpot_p99[1]:.1f} / {1000 * told.tpot_p99[1]:.1f} "
-            f"/ {1000 * later.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} | {lb.flips_before} |"
+            f"/ {1000 * later.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} "
+            f"| {1000 * lb.routed_after_p99:.1f} / {1000 * lr.routed_after_p99:.1f} "
+            f"| {lb.flips_before} |"
         )
     return "\n".join(lines) + "\n"
 
