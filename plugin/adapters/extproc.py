@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import grpc
@@ -42,6 +42,7 @@ from plugin.adapters.steering import (
 )
 from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S, MAX_REQUEST_HEADERS
 from plugin.core.auth import BearerToken
+from plugin.core.pool import PodPool
 from plugin.core.request import (
     LLM_PATHS,
     MODELS_PATH,
@@ -188,18 +189,55 @@ class ErrorCounts:
         self.counts[key] = self.counts.get(key, 0) + 1
 
 
+class ChunkGaps:
+    """The times between one response's chunks, for its pod's speed watch
+    (`PodPool.observe_chunk_gap`): each new SSE event is one engine step after the one before
+    (k steps where an engine sends k tokens per event: the watch compares the pod with itself).
+    The first event marks the stream as started (its prefill is over); `close` ends it."""
+
+    __slots__ = ("_clock", "_events", "_last", "_pool", "key")
+
+    def __init__(self, pool: PodPool, key: str, clock: Callable[[], float]) -> None:
+        self._pool = pool
+        self.key = key
+        self._clock = clock
+        self._events = 0
+        self._last: float | None = None
+
+    def seen(self, events: int) -> None:
+        """The response's data events so far."""
+        new = events - self._events
+        if new <= 0:
+            return
+        now = self._clock()
+        last = self._last
+        if last is None:
+            self._pool.stream_started(self.key)
+        else:
+            self._pool.observe_chunk_gap(self.key, (now - last) / new)
+        self._last = now
+        self._events = events
+
+    def close(self) -> None:
+        if self._last is not None:
+            self._last = None
+            self._pool.stream_ended(self.key)
+
+
 class ResponseTokens:
     """The output tokens of one response, from its status and body chunks.
 
     Only a 200 is scanned: an error body carries no usage worth crediting. The scanner is made
-    on the first body chunk, so a stream that never sees the body allocates none.
+    on the first body chunk, so a stream that never sees the body allocates none. With `gaps`
+    set, the times between its events feed the pod's speed watch.
     """
 
-    __slots__ = ("_scanner", "status")
+    __slots__ = ("_scanner", "gaps", "status")
 
     def __init__(self) -> None:
         self.status = 0
         self._scanner: UsageScanner | None = None
+        self.gaps: ChunkGaps | None = None
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> None:
         if self.status != 200:
@@ -208,6 +246,13 @@ class ResponseTokens:
         if scanner is None:
             scanner = self._scanner = UsageScanner()
         scanner.feed(chunk, end_of_stream)
+        if self.gaps is not None:
+            self.gaps.seen(scanner.data_events)
+
+    def close_gaps(self) -> None:
+        if self.gaps is not None:
+            self.gaps.close()
+            self.gaps = None
 
     def output_tokens(self) -> int:
         return 0 if self._scanner is None else self._scanner.output_tokens()
@@ -226,6 +271,7 @@ def _finish(
 ) -> None:
     """A routed request's response ended: give its lease back once, crediting the tokens, and
     tell the router (output history, latency against the prediction) and the tracer."""
+    tokens.close_gaps()
     output, status = tokens.output_tokens(), tokens.status
     if not decision.lease.release(output, status, router.now(), tokens.estimated()):
         return
@@ -596,8 +642,13 @@ class RoutingProcessor:
 
     def _on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         # Only with --count-mode streamed does the routing filter get the body.
-        if self._decision is not None:
-            self._tokens.feed(msg.body, msg.end_of_stream)
+        decision = self._decision
+        if decision is not None:
+            tokens = self._tokens
+            if tokens.gaps is None and not decision.lease.released:
+                router = self._router
+                tokens.gaps = ChunkGaps(router.pool, decision.lease.key, router.now)
+            tokens.feed(msg.body, msg.end_of_stream)
             if msg.end_of_stream:
                 self.close()
         return _CONTINUE_RESPONSE_BODY
@@ -656,7 +707,10 @@ class CountingProcessor:
             for h in req.request_headers.headers.headers:
                 if h.key == TARGET_POD_HEADER:
                     endpoint = _value(h)
-                    self._pod = self._router.pool.pod_by_endpoint(endpoint)
+                    pool = self._router.pool
+                    self._pod = pod = pool.pod_by_endpoint(endpoint)
+                    if pod is not None and self._tokens.gaps is None:
+                        self._tokens.gaps = ChunkGaps(pool, pod.key, self._router.now)
                 elif h.key == PROMPT_TOKENS_HEADER:
                     text = _value(h)
                     ok = text.isascii() and text.isdigit() and len(text) < 10
@@ -671,6 +725,7 @@ class CountingProcessor:
     def close(self) -> None:
         pod, decision = self._pod, self._decision
         self._pod = self._decision = None  # once
+        self._tokens.close_gaps()
         if decision is not None:  # this stream holds the request's lease: end it
             _finish(self._router, decision, self._tokens, self._tracer)
         elif pod is not None:

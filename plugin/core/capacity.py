@@ -15,6 +15,17 @@ with other engine args), and an achieved rate can only show a replica that becam
 traffic moves to it. `SpeedWatch` sees the change itself, in the tokens each running request
 gets per second from one scrape to the next: where that moves by half or more at about the same
 batch, scrape after scrape, the estimate is rescaled by it at once (`CapacityEstimator.rescale`).
+
+A scrape comes once a second, and each second a change goes unseen the fast replica keeps most of
+the load while it is slow. Where the gateway sees the response chunks anyway (its counting
+filter reads them), `GapWatch` watches the gaps between the chunks of each stream: one engine
+step apart, so a change shows within ten steps, a fraction of a second. (In the simulator,
+load-balance told of a swap of speeds at the moment it happens keeps its first minute below
+least-request's in every run, told a second later in about half: docs/benchmarks.md.) A step
+that runs a prefill is longer for every stream in it, so gaps count only while none of the
+gateway's requests on the replica waits for its first chunk (`PodPool.observe_chunk_gap`).
+When one watch acts, the other takes the change as its usual (`rebase`): one change, one
+rescale.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-__all__ = ["CapacityEstimator", "SpeedWatch"]
+__all__ = ["CapacityEstimator", "GapWatch", "SpeedWatch"]
 
 # A speed change SpeedWatch acts on: tokens per running request per second moved by this factor
 # (either way) ...
@@ -36,6 +47,140 @@ SHIFT_BATCH_BAND = 0.25
 SHIFT_MIN_RUNNING = 2.0
 # Time constant of the usual speed and batch.
 SHIFT_TAU_S = 10.0
+# GapWatch: a change holds for this many rounds of chunk gaps in a row (a round is about one
+# engine step) ...
+GAP_ROUNDS = 10
+# ... spanning at least this long, so that a burst of long prefills stalling a few steps, or a
+# pause of the gateway's own event loop, is no change.
+GAP_SPAN_S = 0.3
+GAP_SPEEDUP_RATIO = 2.0
+
+
+class _Usual:
+    """What SpeedWatch and GapWatch share: a replica's usual figure and batch, followed slowly
+    (tau `SHIFT_TAU_S`), and a streak of readings that moved from it."""
+
+    __slots__ = ("batch", "seen_s", "streak", "streak_s", "value")
+
+    def __init__(self) -> None:
+        self.value: float | None = None  # the usual figure
+        self.batch: float | None = None  # the usual batch
+        self.seen_s = 0.0  # how long the usual figure has been followed
+        self.streak: list[float] = []  # readings in a row that moved
+        self.streak_s = 0.0  # the time they took
+
+    def interrupt(self) -> None:
+        """The readings around this one are not in a row (a gap in the data, a restart)."""
+        self.streak.clear()
+        self.streak_s = 0.0
+
+    def _follow(
+        self, value: float, batch: float, moved: bool, dt: float, rounds: int, span_s: float
+    ) -> float | None:
+        """A reading (`moved`: far enough from the usual one, at a batch that cannot explain
+        it). The new usual figure once readings moved the same way `rounds` times in a row over
+        at least `span_s`, after a tau of history: the streak's median, at once. Else None, and
+        the usual figure follows unmoved readings slowly."""
+        usual, usual_batch = self.value, self.batch
+        if usual is None or usual_batch is None:
+            return None
+        streak = self.streak
+        if moved and self.seen_s >= SHIFT_TAU_S:
+            if streak and (value > usual) != (streak[-1] > usual):
+                self.interrupt()  # it moved the other way: start again
+            streak.append(value)
+            self.streak_s += dt
+            if len(streak) < rounds or self.streak_s < span_s:
+                return None
+            new = sorted(streak)[len(streak) // 2]
+            self.interrupt()
+            self.value, self.batch = new, batch  # the new usual, at once
+            self.seen_s = 0.0  # and a tau of it before another change counts
+            return new
+        self.interrupt()
+        self.seen_s += dt
+        alpha = 1.0 - math.exp(-dt / SHIFT_TAU_S)
+        self.value = usual + alpha * (value - usual)
+        self.batch = usual_batch + alpha * (batch - usual_batch)
+        return None
+
+    def _rebase(self, value: float | None) -> None:
+        self.value = value
+        self.interrupt()
+        self.seen_s = 0.0
+
+
+class GapWatch(_Usual):
+    """One replica's gap between two chunks of a stream, step by step (module doc).
+
+    `add` takes one gap between consecutive chunks of one of the replica's streams (seconds per
+    chunk), `count` streams that saw it (the simulator passes a step's whole batch at once), the
+    replica's requests in flight, and whether a prefill may have run meanwhile. Gaps gather into
+    rounds of about one engine step (as many as the replica has requests in flight, at least 2),
+    each round's median is one reading (a stall of one stream does not set it), and a round in
+    which a prefill may have run is left out. The rules are `SpeedWatch`'s: slower by
+    `SHIFT_RATIO` (faster by `GAP_SPEEDUP_RATIO`) at a batch that cannot explain it, for
+    `GAP_ROUNDS` rounds in a row over at least `GAP_SPAN_S`, after a tau of history. The result
+    is the factor by which the replica's speed changed (the usual gap over the streak's
+    median), or None.
+    """
+
+    __slots__ = ("_prefill", "_round", "_round_n")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._round: list[tuple[float, int]] = []
+        self._round_n = 0
+        self._prefill = False
+
+    @property
+    def gap(self) -> float | None:
+        """The usual seconds between two chunks of a stream."""
+        return self.value
+
+    def add(self, gap: float, count: int, batch: float, prefill: bool = False) -> float | None:
+        if prefill:
+            self._prefill = True
+        if not (0 < gap < math.inf and count > 0):
+            return None
+        self._round.append((gap, count))
+        self._round_n += count
+        if self._round_n < max(SHIFT_MIN_RUNNING, batch):
+            return None
+        half, seen, median = self._round_n / 2, 0, 0.0
+        for median, n in sorted(self._round):  # noqa: B007 (the median is where it stops)
+            seen += n
+            if seen >= half:
+                break
+        skip = self._prefill  # a prefill ran in this round's steps: not the decoding speed
+        self._round.clear()
+        self._round_n = 0
+        self._prefill = False
+        if skip:
+            return None
+        return self._observe(median, batch)
+
+    def _observe(self, gap: float, batch: float) -> float | None:
+        if batch < SHIFT_MIN_RUNNING or not batch < math.inf:
+            self.interrupt()
+            return None
+        usual, usual_batch = self.value, self.batch
+        if usual is None or usual_batch is None:
+            self.value, self.batch, self.seen_s = gap, batch, 0.0
+            return None
+        ratio = gap / usual  # > 1: slower
+        if ratio >= SHIFT_RATIO:
+            moved = batch <= (1 + SHIFT_BATCH_BAND) * usual_batch
+        else:
+            moved = ratio <= 1 / GAP_SPEEDUP_RATIO and batch >= (1 - SHIFT_BATCH_BAND) * usual_batch
+        new = self._follow(gap, batch, moved, gap, GAP_ROUNDS, GAP_SPAN_S)
+        return None if new is None else usual / new
+
+    def rebase(self, factor: float) -> None:
+        """Another watch saw the replica's speed change by `factor`: take it as the usual and
+        wait a tau before another change counts."""
+        ok = self.value is not None and 0 < factor < math.inf
+        self._rebase(self.value / factor if ok and self.value is not None else self.value)
 
 
 class _Track:
@@ -137,7 +282,7 @@ class CapacityEstimator:
                 track.estimate += alpha * (rate - track.estimate)
 
 
-class SpeedWatch:
+class SpeedWatch(_Usual):
     """One replica's speed per running request, scrape by scrape (module doc).
 
     `observe` takes what one scrape interval saw: the engine's generated tokens in it, its
@@ -153,46 +298,35 @@ class SpeedWatch:
     (a second of stall behind a long prefill does not set it).
     """
 
-    __slots__ = ("batch", "seen_s", "speed", "streak")
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self.speed: float | None = None  # usual tokens per running request per second
-        self.batch: float | None = None  # usual running count
-        self.seen_s = 0.0  # how long the usual speed has been followed
-        self.streak: list[float] = []  # speeds of the scrapes in a row that moved
+    @property
+    def speed(self) -> float | None:
+        """The usual tokens per running request per second."""
+        return self.value
 
     def observe(
         self, tokens: float, running_before: float, running_now: float, dt: float
     ) -> float | None:
         batch = (running_before + running_now) / 2
         if dt <= 0 or tokens < 0 or batch < SHIFT_MIN_RUNNING or not batch < math.inf:
-            self.streak.clear()
+            self.interrupt()
             return None
         speed = tokens / (batch * dt)
-        usual, usual_batch = self.speed, self.batch
+        usual, usual_batch = self.value, self.batch
         if usual is None or usual_batch is None or usual <= 0:
-            self.speed, self.batch, self.seen_s = speed, batch, 0.0
+            self.value, self.batch, self.seen_s = speed, batch, 0.0
             return None
         ratio = speed / usual
         if ratio >= SHIFT_RATIO:
             moved = batch >= (1 - SHIFT_BATCH_BAND) * usual_batch
         else:
             moved = ratio <= 1 / SHIFT_RATIO and batch <= (1 + SHIFT_BATCH_BAND) * usual_batch
-        streak = self.streak
-        if moved and self.seen_s >= SHIFT_TAU_S:
-            if streak and (ratio > 1) != (streak[-1] > usual):
-                streak.clear()  # it moved the other way: start again
-            streak.append(speed)
-            if len(streak) < SHIFT_SCRAPES:
-                return None
-            new = sorted(streak)[len(streak) // 2]
-            streak.clear()
-            self.speed, self.batch = new, batch  # the new usual, at once
-            self.seen_s = 0.0  # and a tau of it before another change counts
-            return new / usual
-        streak.clear()
-        self.seen_s += dt
-        alpha = 1.0 - math.exp(-dt / SHIFT_TAU_S)
-        self.speed = usual + alpha * (speed - usual)
-        self.batch = usual_batch + alpha * (batch - usual_batch)
-        return None
+        new = self._follow(speed, batch, moved, dt, SHIFT_SCRAPES, 0.0)
+        return None if new is None else new / usual
+
+    def rebase(self, factor: float) -> None:
+        """Another watch saw the replica's speed change by `factor`: take it as the usual and
+        wait a tau before another change counts (so one change is not acted on twice)."""
+        ok = self.value is not None and 0 < factor < math.inf
+        self._rebase(self.value * factor if ok and self.value is not None else self.value)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plugin.core.capacity import CapacityEstimator, SpeedWatch
+from plugin.core.capacity import CapacityEstimator, GapWatch, SpeedWatch
 from plugin.core.profile import GpuProfile, ProfileBook
 from plugin.core.types import Candidate, EngineMetrics, Pod
 from plugin.core.view import CandidateView
@@ -139,6 +139,7 @@ class PodPool:
         "_engine_caps",
         "_engine_tokens",
         "_estimated",
+        "_gaps",
         "_health",
         "_inflight",
         "_load",
@@ -160,6 +161,7 @@ class PodPool:
         "_shared_tokens",
         "_slot",
         "_speed",
+        "_streaming",
         "_unpublished",
         "_unreachable",
         "loaded",
@@ -211,7 +213,12 @@ class PodPool:
         # Per engine-counter pod: its speed watch, and the time and running count of its last
         # scrape (`SpeedWatch`).
         self._speed: dict[str, tuple[SpeedWatch, float, float]] = {}
-        self._rescaled: dict[str, int] = {}  # speed changes the watch acted on, per pod
+        self._rescaled: dict[str, int] = {}  # speed changes the watches acted on, per pod
+        # Per pod whose response chunks this gateway sees: its chunk-gap watch (`GapWatch`).
+        self._gaps: dict[str, GapWatch] = {}
+        # Of this gateway's requests on each pod, those whose first chunk came (the rest wait
+        # or prefill on the engine, and a step that prefills is no measure of decoding).
+        self._streaming: dict[str, int] = {}
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
@@ -250,6 +257,8 @@ class PodPool:
             self._estimated.pop(key, None)
             self._engine_tokens.pop(key, None)
             self._speed.pop(key, None)
+            self._gaps.pop(key, None)
+            self._streaming.pop(key, None)
             self._rescaled.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
@@ -568,17 +577,61 @@ class PodPool:
         if gained > 0:
             self._capacity.add_tokens(key, round(gained))
         if seen is not None and total < last:
-            seen[0].streak.clear()  # a restarted engine: the scrapes around it are not in a row
+            seen[0].interrupt()  # a restarted engine: the scrapes around it are not in a row
         if seen is not None and ran is not None and total >= last:
             watch, then, ran_then = seen
             kv = metrics.kv_usage
             if not metrics.generation_tokens_stepwise or (kv is not None and kv >= KV_BOUND):
-                watch.streak.clear()
+                watch.interrupt()
                 return
             factor = watch.observe(gained, ran_then, ran, now - then)
             if factor is not None:
                 self._capacity.rescale(key, factor)
                 self._rescaled[key] = self._rescaled.get(key, 0) + 1
+                gaps = self._gaps.get(key)
+                if gaps is not None:
+                    gaps.rebase(factor)
+
+    def stream_started(self, key: str) -> None:
+        """One of this gateway's responses from the pod sent its first chunk."""
+        self._streaming[key] = self._streaming.get(key, 0) + 1
+
+    def stream_ended(self, key: str) -> None:
+        """A response that had started (`stream_started`) ended."""
+        left = self._streaming.get(key, 0) - 1
+        if left > 0:
+            self._streaming[key] = left
+        else:
+            self._streaming.pop(key, None)
+
+    def observe_chunk_gap(self, key: str, gap_s: float, count: int = 1) -> None:
+        """Seconds between two chunks of one of the pod's streams (`count` streams saw it):
+        its `GapWatch` rescales the capacity estimate when the pod's speed changed, and routing
+        sees the new estimate at once, not at the end of the scrape tick. While some of this
+        gateway's requests on the pod have no first chunk yet, its steps may carry prefills,
+        and the gap is not taken for the pod's decoding speed."""
+        if key not in self._pods:
+            return
+        watch = self._gaps.get(key)
+        if watch is None:
+            watch = self._gaps[key] = GapWatch()
+        local = self._inflight.get(key, 0)
+        prefill = local > self._streaming.get(key, 0)
+        factor = watch.add(gap_s, count, local + self._remote.get(key, 0), prefill)
+        if factor is None:
+            return
+        self._capacity.rescale(key, factor)
+        self._rescaled[key] = self._rescaled.get(key, 0) + 1
+        seen = self._speed.get(key)
+        if seen is not None:
+            seen[0].rebase(factor)
+        slot = self._slot.get(key)
+        if slot is not None:
+            state, order = slot
+            state.view.slots[order].capacity = self._capacity.estimate(key)
+            if not state.dirty:
+                state.view.reindex()  # the capacity sum moved too
+        self._changed()
 
     def _read_engine_cap(self, key: str, cap: float | None) -> None:
         """Keep the batch cap the engine exports, if it exports one (a finite number >= 1); what

@@ -281,6 +281,11 @@ class SimEngine:
             self._prefill_kv += n
         return profile.step_ms(self._decoding, prefill_tokens) / 1000.0, chunks
 
+    @property
+    def decoding(self) -> int:
+        """Sequences past their prefill: each gets a token from the next step."""
+        return self._decoding
+
     def finish_step(
         self, now: float, duration: float, chunks: Iterable[tuple[SimSeq, int]]
     ) -> list[SimSeq]:

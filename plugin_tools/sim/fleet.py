@@ -59,6 +59,9 @@ class GatewayModel:
     # The engines export their generated-token counter (vLLM, SGLang) with each scrape, so
     # capacity is learned from it rather than from completed requests' counted tokens.
     engine_tokens: bool = False
+    # The gateway sees each stream's response chunks (its counting filter reads them), so the
+    # gaps between them feed the chunk-gap speed watch (`plugin.core.capacity.GapWatch`).
+    chunk_gaps: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,8 +323,18 @@ def simulate(
         now = t
         if kind == _STEP:
             i, duration, chunks = data
+            decoded = engines[i].decoding  # streams that get a chunk from this step
             done = engines[i].finish_step(now, duration, chunks)
+            if gw.chunk_gaps:
+                key = pods[i].key
+                if decoded:
+                    pool.observe_chunk_gap(key, duration, decoded)
+                for seq, _ in chunks:
+                    if seq.first_token_at == now:  # its first chunk: it streams from here
+                        pool.stream_started(key)
             for seq in done:
+                if gw.chunk_gaps:
+                    pool.stream_ended(pods[i].key)
                 router.completed(MODEL, seq.prompt_tokens, seq.output_tokens, 200)
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
             start_step(i)

@@ -9,7 +9,9 @@ Variants: least-request; load-balance learning from the output tokens the gatewa
 completed responses (the default wiring); load-balance learning from the engines' own
 generated-token counters (`vllm:generation_tokens_total`, read at each scrape), which also feed
 the speed watch (`plugin.core.capacity.SpeedWatch`: a sudden change of a replica's tokens per
-running request rescales its estimate at once); and two bounds, load-balance whose estimates the
+running request rescales its estimate at once); the same with the chunk-gap watch beside it
+(`GapWatch`: where the gateway sees each stream's chunks, their gaps show a change within a
+fraction of a second); and two bounds, load-balance whose estimates the
 simulator exchanges at the swap or one scrape (1 s) after it, as a perfect detector with that
 delay would.
 
@@ -81,6 +83,12 @@ VARIANTS: tuple[tuple[str, str, GatewayModel, float | None], ...] = (
     ("least-request", "least-request", GatewayModel(), None),
     ("load-balance, gateway counts", "load-balance", GatewayModel(), None),
     ("load-balance, engine counter", "load-balance", GatewayModel(engine_tokens=True), None),
+    (
+        "load-balance, chunk gaps",
+        "load-balance",
+        GatewayModel(engine_tokens=True, chunk_gaps=True),
+        None,
+    ),
     # Bounds: the estimates exchanged at the swap or one scrape after it, as a perfect detector
     # with that delay would do.
     ("load-balance, told at the swap", "load-balance", GatewayModel(engine_tokens=True), 0.0),
@@ -313,30 +321,41 @@ def shift_sweep(fleet: str, loads: Sequence[float], seeds: Sequence[int]) -> lis
 
 
 def format_sweep(studies: Sequence[ShiftStudy]) -> str:
-    """One row per run: the engine-counter variant's re-rank and p99 TPOT against
-    least-request's, before the swap and in the first minute after it, and what load-balance
-    told of the swap at once or one scrape later (bounds for any detector) gets in that
-    minute."""
+    """One row per run: load-balance with the engine counter's speed watch and with the
+    chunk-gap watch beside it, against least-request: re-rank, traffic, p99 TPOT before the
+    swap and in the first minute after it (and of that minute's requests, those that arrived
+    after the swap), with what load-balance told of the swap at once or one scrape later
+    (bounds for any detector) gets in that minute."""
     lines = [
-        "| load (x G*) | seed | re-rank s | traffic follows s: load-balance / least-request "
+        "| load (x G*) | seed | re-rank s: engine counter / chunk gaps "
+        "| traffic follows s: engine counter / chunk gaps / least-request "
         "| TPOT p99 ms before: load-balance / least-request "
-        "| during: load-balance / told at the swap / told 1 s later / least-request "
-        "| during, arrived after the swap: load-balance / least-request "
-        "| order changes before |",
+        "| during: engine counter / chunk gaps / told at the swap / told 1 s later "
+        "/ least-request "
+        "| during, arrived after the swap: engine counter / chunk gaps / least-request "
+        "| order changes before: engine counter / chunk gaps |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def ms(value: float) -> str:
+        return f"{1000 * value:.1f}"
+
+    def rerank(row: ShiftRow) -> str:
+        return "-" if row.rerank_s is None else f"{row.rerank_s:.0f}"
+
     for study in studies:
         rows = {row.variant: row for row in study.rows}
-        lb, lr = rows["load-balance, engine counter"], rows["least-request"]
+        lb, gaps = rows["load-balance, engine counter"], rows["load-balance, chunk gaps"]
+        lr = rows["least-request"]
         told, later = rows["load-balance, told at the swap"], rows["load-balance, told 1 s later"]
-        rerank = "-" if lb.rerank_s is None else f"{lb.rerank_s:.0f}"
         lines.append(
-            f"| {study.load:g} | {study.seed} | {rerank} | {lb.follows_s:.0f} / {lr.follows_s:.0f} "
-            f"| {1000 * lb.tpot_p99[0]:.1f} / {1000 * lr.tpot_p99[0]:.1f} "
-            f"| {1000 * lb.tpot_p99[1]:.1f} / {1000 * told.tpot_p99[1]:.1f} "
-            f"/ {1000 * later.tpot_p99[1]:.1f} / {1000 * lr.tpot_p99[1]:.1f} "
-            f"| {1000 * lb.routed_after_p99:.1f} / {1000 * lr.routed_after_p99:.1f} "
-            f"| {lb.flips_before} |"
+            f"| {study.load:g} | {study.seed} | {rerank(lb)} / {rerank(gaps)} "
+            f"| {lb.follows_s:.0f} / {gaps.follows_s:.0f} / {lr.follows_s:.0f} "
+            f"| {ms(lb.tpot_p99[0])} / {ms(lr.tpot_p99[0])} "
+            f"| {ms(lb.tpot_p99[1])} / {ms(gaps.tpot_p99[1])} / {ms(told.tpot_p99[1])} "
+            f"/ {ms(later.tpot_p99[1])} / {ms(lr.tpot_p99[1])} "
+            f"| {ms(lb.routed_after_p99)} / {ms(gaps.routed_after_p99)} "
+            f"/ {ms(lr.routed_after_p99)} | {lb.flips_before} / {gaps.flips_before} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -419,13 +438,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             " and the speed watch compares each scrape's tokens per running request with the"
             " replica's usual figure: where it moved by 1.5x or more four scrapes in a row, at a"
             " batch that cannot explain it, the estimate is rescaled by the streak's median at"
-            " once. Re-rank is how long after the swap the new fast replica's estimate stays"
+            " once. Where the gateway sees the response chunks (its counting filter reads"
+            " them; `chunk gaps`), the chunk-gap watch also compares the time between two"
+            " chunks of a stream, about one engine step, with the replica's usual: a move of"
+            " 1.5x slower (2x faster) held for ten steps in a row and 0.3 s, with no request of"
+            " that gateway on the replica still before its first chunk (a step that prefills"
+            " is no measure of decoding), rescales the estimate within a fraction of a second"
+            " and routing sees it at once. Re-rank is how long after the swap the new fast"
+            " replica's estimate stays"
             " above the new slow one's: the estimate is achieved throughput, so that also waits"
             " for traffic to move. Traffic follows from the first of five 2 s bins in a row in"
             " each of which the new fast replica was sent more of the arriving requests than the"
             " new slow one.\n\n"
             + table
-            + ("\nOver loads and seeds (engine counter):\n\n" + sweep if sweep else "")
+            + ("\nOver loads and seeds:\n\n" + sweep if sweep else "")
             + "\n![capacity estimates around the swap](sim/capacity-shift.png)\n"
         )
         write_section(args.doc, "capacity-shift", text)
