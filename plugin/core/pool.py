@@ -258,7 +258,8 @@ class PodPool:
             self._engine_tokens.pop(key, None)
             self._speed.pop(key, None)
             self._gaps.pop(key, None)
-            self._streaming.pop(key, None)
+            # `_streaming` stays, as `_inflight` does: the pod's running streams still end
+            # (`stream_ended`), also if it comes back under the same key meanwhile.
             self._rescaled.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
