@@ -104,8 +104,14 @@ class _Usual:
         self.batch = usual_batch + alpha * (batch - usual_batch)
         return None
 
-    def _rebase(self, value: float | None) -> None:
-        self.value = value
+    # How the usual figure goes with speed: 1 for a speed, -1 for a time per chunk.
+    _PER_SPEED = 1
+
+    def rebase(self, factor: float) -> None:
+        """Another watch saw the replica's speed change by `factor`: take it as the usual and
+        wait a tau before another change counts (so one change is not acted on twice)."""
+        if self.value is not None and 0 < factor < math.inf:
+            self.value *= factor**self._PER_SPEED
         self.interrupt()
         self.seen_s = 0.0
 
@@ -126,6 +132,7 @@ class GapWatch(_Usual):
     """
 
     __slots__ = ("_prefill", "_round", "_round_n")
+    _PER_SPEED = -1
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,9 +163,7 @@ class GapWatch(_Usual):
         self._round.clear()
         self._round_n = 0
         self._prefill = False
-        if skip:
-            return None
-        return self._observe(median, batch)
+        return None if skip else self._observe(median, batch)
 
     def _observe(self, gap: float, batch: float) -> float | None:
         if batch < SHIFT_MIN_RUNNING or not batch < math.inf:
@@ -175,12 +180,6 @@ class GapWatch(_Usual):
             moved = ratio <= 1 / GAP_SPEEDUP_RATIO and batch >= (1 - SHIFT_BATCH_BAND) * usual_batch
         new = self._follow(gap, batch, moved, gap, GAP_ROUNDS, GAP_SPAN_S)
         return None if new is None else usual / new
-
-    def rebase(self, factor: float) -> None:
-        """Another watch saw the replica's speed change by `factor`: take it as the usual and
-        wait a tau before another change counts."""
-        ok = self.value is not None and 0 < factor < math.inf
-        self._rebase(self.value / factor if ok and self.value is not None else self.value)
 
 
 class _Track:
@@ -324,9 +323,3 @@ class SpeedWatch(_Usual):
             moved = ratio <= 1 / SHIFT_RATIO and batch <= (1 + SHIFT_BATCH_BAND) * usual_batch
         new = self._follow(speed, batch, moved, dt, SHIFT_SCRAPES, 0.0)
         return None if new is None else new / usual
-
-    def rebase(self, factor: float) -> None:
-        """Another watch saw the replica's speed change by `factor`: take it as the usual and
-        wait a tau before another change counts (so one change is not acted on twice)."""
-        ok = self.value is not None and 0 < factor < math.inf
-        self._rebase(self.value * factor if ok and self.value is not None else self.value)

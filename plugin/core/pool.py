@@ -587,11 +587,17 @@ class PodPool:
                 return
             factor = watch.observe(gained, ran_then, ran, now - then)
             if factor is not None:
-                self._capacity.rescale(key, factor)
-                self._rescaled[key] = self._rescaled.get(key, 0) + 1
-                gaps = self._gaps.get(key)
-                if gaps is not None:
-                    gaps.rebase(factor)
+                self._speed_changed(key, factor, watch)  # routing sees it as this tick ends
+
+    def _speed_changed(self, key: str, factor: float, seen_by: SpeedWatch | GapWatch) -> None:
+        """`seen_by` saw the pod's speed change by `factor`: rescale its estimate once, and the
+        pod's other watch takes the new speed as its usual (`rebase`)."""
+        self._capacity.rescale(key, factor)
+        self._rescaled[key] = self._rescaled.get(key, 0) + 1
+        scrapes = self._speed.get(key)
+        for other in (None if scrapes is None else scrapes[0], self._gaps.get(key)):
+            if other is not None and other is not seen_by:
+                other.rebase(factor)
 
     def stream_started(self, key: str) -> None:
         """One of this gateway's responses from the pod sent its first chunk."""
@@ -621,11 +627,7 @@ class PodPool:
         factor = watch.add(gap_s, count, local + self._remote.get(key, 0), prefill)
         if factor is None:
             return
-        self._capacity.rescale(key, factor)
-        self._rescaled[key] = self._rescaled.get(key, 0) + 1
-        seen = self._speed.get(key)
-        if seen is not None:
-            seen[0].rebase(factor)
+        self._speed_changed(key, factor, watch)
         slot = self._slot.get(key)
         if slot is not None:
             state, order = slot
