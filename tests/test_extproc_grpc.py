@@ -31,6 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
 from plugin.adapters.serve import Gateway
+from plugin.adapters.steering import PROMPT_TOKENS_HEADER
+from plugin.core.pool import PodPool
 from plugin.core.strategies import Admission, Route, Strategy, Wait, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
 from tests.helpers import StartGateway, eventually, gateway_settings, header_map, write_pods_file
@@ -1088,27 +1090,40 @@ PICK_ONLY = (("x-hetero-gateway-routing", "pick-only"),)
 
 async def _pick(r: Running, request_id: str) -> str:
     """A pick-only routing stream: the plugin answers the body and ends the stream itself."""
+    return (await _pick_headers(r, request_id))["target-pod"].decode()
+
+
+async def _pick_headers(r: Running, request_id: str) -> dict[str, bytes]:
+    """`_pick`, returning the headers the pick set on the request."""
     call = r.stub.Process(metadata=PICK_ONLY)
     await call.write(request_headers(request_id=request_id))
     async with asyncio.timeout(WAIT_S):
         assert await call.read() == HEADERS_CONTINUE
         await call.write(request_body(CHAT_BODY))
         reply = await call.read()
-        target = set_headers(reply.request_body.response.header_mutation)["target-pod"]
+        headers = set_headers(reply.request_body.response.header_mutation)
         pod_name = reply.dynamic_metadata.fields["hetero_gateway"].struct_value.fields["pod"]
-        assert pod_name.string_value == r.pods[target.decode()].name  # for the route's header
+        target = headers["target-pod"].decode()
+        assert pod_name.string_value == r.pods[target].name  # for the route's header
         assert await call.read() is grpc.aio.EOF  # ended by the plugin, not by Envoy
         assert await call.code() == grpc.StatusCode.OK
-    return target.decode()
+    return headers
 
 
 def _counting(
-    endpoint: str, request_id: str, status: int, tokens: int
+    endpoint: str,
+    request_id: str,
+    status: int,
+    tokens: int,
+    forwarded: dict[str, bytes] | None = None,
 ) -> list[pb.ProcessingRequest]:
+    """The counting stream of a request; `forwarded`: the headers the pick set on it (Envoy
+    sends the counting filter the request as the routing filter left it)."""
     headers = request_headers(request_id=request_id)
-    headers.request_headers.headers.headers.append(
-        base_pb2.HeaderValue(key="target-pod", raw_value=endpoint.encode())
-    )
+    for key, value in (forwarded or {"target-pod": endpoint.encode()}).items():
+        headers.request_headers.headers.headers.append(
+            base_pb2.HeaderValue(key=key, raw_value=value)
+        )
     return [
         _observed(headers),
         _observed(response_headers(status)),
@@ -1131,6 +1146,35 @@ async def test_pick_only_routing_hands_its_lease_to_the_counting_stream(running:
     await eventually(lambda: pool.inflight(key) == 0, "the counting stream to release it")
     assert pool.output_tokens_total(key) == 9 and pool.routed_total(key) == 1
     assert len(running.gateway.servicer.handoff) == 0
+
+
+async def test_the_counting_stream_tells_the_pool_when_the_prompt_was_prefilled(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk-gap watch weighs the prompts a replica's steps may prefill: the lease carries
+    the routed prompt's tokens, the counting stream learns them from the header the pick set
+    and marks them started at the first event; nothing is left counted at the end."""
+    pool = running.gateway.pool
+    headers = await _pick_headers(running, "req-p")
+    endpoint = headers["target-pod"].decode()
+    key = running.key_of(endpoint)
+    prompt = int(headers[PROMPT_TOKENS_HEADER])
+    assert prompt > 0 and pool._inflight_prompt[key] == prompt  # routed, not started
+    calls: list[tuple[str, str, int]] = []
+    for name in ("stream_started", "stream_ended"):
+        real = getattr(PodPool, name)
+
+        def spy(self: PodPool, k: str, tokens: int = 0, name: str = name, real: Any = real) -> None:
+            calls.append((name, k, tokens))
+            real(self, k, tokens)
+
+        monkeypatch.setattr(PodPool, name, spy)
+    call = running.stub.Process(iter(_counting(endpoint, "req-p", 200, 5, headers)))
+    async with asyncio.timeout(WAIT_S):
+        assert [r async for r in call] == []
+    await eventually(lambda: pool.inflight(key) == 0, "the counting stream to release it")
+    assert calls == [("stream_started", key, prompt), ("stream_ended", key, prompt)]
+    assert key not in pool._inflight_prompt and key not in pool._streaming_prompt
 
 
 async def test_a_lease_no_counting_stream_claims_is_given_back(running: Running) -> None:

@@ -193,14 +193,18 @@ class ChunkGaps:
     """The times between one response's chunks, for its pod's speed watch
     (`PodPool.observe_chunk_gap`): each new SSE event is one engine step after the one before
     (k steps where an engine sends k tokens per event: the watch compares the pod with itself).
-    The first event marks the stream as started (its prefill is over); `close` ends it."""
+    The first event marks the stream as started (its prompt of `prompt_tokens` was prefilled);
+    `close` ends it."""
 
-    __slots__ = ("_clock", "_events", "_last", "_pool", "key")
+    __slots__ = ("_clock", "_events", "_last", "_pool", "key", "prompt_tokens")
 
-    def __init__(self, pool: PodPool, key: str, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, pool: PodPool, key: str, clock: Callable[[], float], prompt_tokens: int = 0
+    ) -> None:
         self._pool = pool
         self.key = key
         self._clock = clock
+        self.prompt_tokens = prompt_tokens
         self._events = 0
         self._last: float | None = None
 
@@ -212,7 +216,7 @@ class ChunkGaps:
         now = self._clock()
         last = self._last
         if last is None:
-            self._pool.stream_started(self.key)
+            self._pool.stream_started(self.key, self.prompt_tokens)
         else:
             self._pool.observe_chunk_gap(self.key, (now - last) / new)
         self._last = now
@@ -221,7 +225,7 @@ class ChunkGaps:
     def close(self) -> None:
         if self._last is not None:
             self._last = None
-            self._pool.stream_ended(self.key)
+            self._pool.stream_ended(self.key, self.prompt_tokens)
 
 
 class ResponseTokens:
@@ -647,7 +651,9 @@ class RoutingProcessor:
             tokens = self._tokens
             if tokens.gaps is None and not decision.lease.released:
                 router = self._router
-                tokens.gaps = ChunkGaps(router.pool, decision.lease.key, router.now)
+                tokens.gaps = ChunkGaps(
+                    router.pool, decision.lease.key, router.now, decision.request.prompt_tokens
+                )
             tokens.feed(msg.body, msg.end_of_stream)
             if msg.end_of_stream:
                 self.close()
@@ -717,6 +723,8 @@ class CountingProcessor:
                     self._prompt_tokens = int(text) if ok else 0
                 elif h.key == "x-request-id":
                     request_id = _value(h)
+            if self._tokens.gaps is not None:
+                self._tokens.gaps.prompt_tokens = self._prompt_tokens
             if self._handoff is not None and endpoint:
                 self._decision = self._handoff.claim((request_id, endpoint))
         elif phase == "response_headers" and self._pod is not None:

@@ -22,10 +22,12 @@ filter reads them), `GapWatch` watches the gaps between the chunks of each strea
 step apart, so a change shows within ten steps, a fraction of a second. (In the simulator,
 load-balance told of a swap of speeds at the moment it happens keeps its first minute below
 least-request's in every run, told a second later in about half: docs/benchmarks.md.) A step
-that runs a prefill is longer for every stream in it, so gaps count only while none of the
-gateway's requests on the replica waits for its first chunk (`PodPool.observe_chunk_gap`).
-When one watch acts, the other takes the change as its usual (`rebase`): one change, one
-rescale.
+that runs a prefill is longer for every stream in it, so the watch weighs what the gateway
+knows of the prompts its steps may have prefilled (`PodPool.observe_chunk_gap`): a round counts
+as slower only beyond the most those prefills add. (Leaving out every round while any request
+waited for its first chunk gave the watch nothing to read at high request rates, where nearly
+every step admits a prompt.) When one watch acts, the other takes the change as its usual
+(`rebase`): one change, one rescale.
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ GAP_ROUNDS = 10
 # pause of the gateway's own event loop, is no change.
 GAP_SPAN_S = 0.3
 GAP_SPEEDUP_RATIO = 2.0
+# A slowdown this large holds for fewer rounds (still over GAP_SPAN_S): a step that much longer,
+# round after round at the same batch and beyond what its prefills can add, has no other cause,
+# and each step it goes unseen the replica is sent requests that will run slow to their end.
+GAP_BIG_RATIO = 2.0
+GAP_BIG_ROUNDS = 3
+# A prompt token a round's steps may have prefilled weighs this many running streams: a step
+# costs a fixed part, a part per decoding sequence and a part per prefill token, and the last is
+# at most about the second on the GPUs profiled (the simulator's presets: 0.3-1.0 of it), so a
+# round whose prefills are a share s of its batch took at most (1 + s) times its decoding alone.
+PREFILL_TOKEN_WEIGHT = 1.0
+# Up to this share a round is read as it is (a round at it is at most SHIFT_RATIO slower for its
+# prefills, and the fixed part of a step, 50-75 streams' worth on the simulator's presets, makes
+# it much less); above, only as a slowdown beyond what its prefills can add (`GapWatch`).
+PREFILL_SHARE = 0.5
 
 
 class _Usual:
@@ -121,33 +137,51 @@ class GapWatch(_Usual):
 
     `add` takes one gap between consecutive chunks of one of the replica's streams (seconds per
     chunk), `count` streams that saw it (the simulator passes a step's whole batch at once), the
-    replica's requests in flight, and whether a prefill may have run meanwhile. Gaps gather into
-    rounds of about one engine step (as many as the replica has requests in flight, at least 2),
-    each round's median is one reading (a stall of one stream does not set it), and a round in
-    which a prefill may have run is left out. The rules are `SpeedWatch`'s: slower by
+    replica's requests in flight, and the prompt tokens of those still waiting for their first
+    chunk; `started` the prompt tokens of a stream whose first chunk just came. Gaps gather
+    into rounds of about one engine step (as many as the replica has requests in flight, at
+    least 2), and each round's median is one reading (a stall of one stream does not set it).
+
+    A round's steps may have run prefills: of the prompts that started in it, and of those that
+    waited through all of it (a long prompt prefilled in chunks over several steps); prompts
+    that came and went within it are the ones that started. Weighing a prompt token as
+    `PREFILL_TOKEN_WEIGHT` running streams, a round whose prefills are a share s of its batch
+    took at most (1 + s) times its steps' decoding alone, and less where a step's fixed part is
+    large. Up to `PREFILL_SHARE` the round is read as it is; above, it counts only as a slowdown
+    that its decoding alone (its gap over 1 + s) shows, and is otherwise left out (it breaks no
+    streak and moves only the usual batch). The rules are `SpeedWatch`'s: slower by
     `SHIFT_RATIO` (faster by `GAP_SPEEDUP_RATIO`) at a batch that cannot explain it, for
-    `GAP_ROUNDS` rounds in a row over at least `GAP_SPAN_S`, after a tau of history. The result
-    is the factor by which the replica's speed changed (the usual gap over the streak's
-    median), or None.
+    `GAP_ROUNDS` rounds in a row (the last `GAP_BIG_ROUNDS` if each of them was `GAP_BIG_RATIO`
+    slower) over at least `GAP_SPAN_S`, after a tau of history. The result is the factor by
+    which the replica's speed changed (the usual gap over the streak's median), or None.
     """
 
-    __slots__ = ("_prefill", "_round", "_round_n")
+    __slots__ = ("_big", "_lingering", "_round", "_round_n", "_started")
     _PER_SPEED = -1
 
     def __init__(self) -> None:
         super().__init__()
         self._round: list[tuple[float, int]] = []
         self._round_n = 0
-        self._prefill = False
+        self._started = 0.0  # prompt tokens of streams that started in this round
+        self._lingering = math.inf  # the fewest prompt tokens waiting at any gap of this round
+        self._big = 0  # readings in a row at least GAP_BIG_RATIO slower
 
     @property
     def gap(self) -> float | None:
         """The usual seconds between two chunks of a stream."""
         return self.value
 
-    def add(self, gap: float, count: int, batch: float, prefill: bool = False) -> float | None:
-        if prefill:
-            self._prefill = True
+    def started(self, prompt_tokens: float) -> None:
+        """A stream's first chunk came: its prompt was prefilled in the steps just run."""
+        if 0 < prompt_tokens < math.inf:
+            self._started += prompt_tokens
+
+    def add(
+        self, gap: float, count: int, batch: float, waiting_tokens: float = 0.0
+    ) -> float | None:
+        if waiting_tokens < self._lingering:
+            self._lingering = max(0.0, waiting_tokens)
         if not (0 < gap < math.inf and count > 0):
             return None
         self._round.append((gap, count))
@@ -159,27 +193,51 @@ class GapWatch(_Usual):
             seen += n
             if seen >= half:
                 break
-        skip = self._prefill  # a prefill ran in this round's steps: not the decoding speed
+        share = PREFILL_TOKEN_WEIGHT * (self._started + self._lingering) / max(batch, 1.0)
         self._round.clear()
         self._round_n = 0
-        self._prefill = False
-        return None if skip else self._observe(median, batch)
+        self._started = 0.0
+        self._lingering = math.inf
+        return self._observe(median, batch, share)
 
-    def _observe(self, gap: float, batch: float) -> float | None:
-        if batch < SHIFT_MIN_RUNNING or not batch < math.inf:
+    def _observe(self, gap: float, batch: float, share: float = 0.0) -> float | None:
+        if batch < SHIFT_MIN_RUNNING or not (batch < math.inf and share < math.inf):
             self.interrupt()
             return None
+        heavy = share > PREFILL_SHARE
+        took = gap
+        if heavy:
+            gap /= 1 + share  # the least its steps' decoding alone took
         usual, usual_batch = self.value, self.batch
         if usual is None or usual_batch is None:
-            self.value, self.batch, self.seen_s = gap, batch, 0.0
+            if not heavy:
+                self.value, self.batch, self.seen_s = gap, batch, 0.0
             return None
-        ratio = gap / usual  # > 1: slower
-        if ratio >= SHIFT_RATIO:
+        rounds = GAP_ROUNDS
+        if gap >= SHIFT_RATIO * usual:
             moved = batch <= (1 + SHIFT_BATCH_BAND) * usual_batch
+            self._big = self._big + 1 if moved and gap >= GAP_BIG_RATIO * usual else 0
+            if self._big >= GAP_BIG_ROUNDS:
+                rounds = GAP_BIG_ROUNDS
         else:
-            moved = ratio <= 1 / GAP_SPEEDUP_RATIO and batch >= (1 - SHIFT_BATCH_BAND) * usual_batch
-        new = self._follow(gap, batch, moved, gap, GAP_ROUNDS, GAP_SPAN_S)
+            self._big = 0
+            fast = not heavy and gap * GAP_SPEEDUP_RATIO <= usual
+            moved = fast and batch >= (1 - SHIFT_BATCH_BAND) * usual_batch
+        if heavy and not moved:
+            self._follow_batch(batch, took)
+            return None  # no slowdown beyond its prefills, and no measure of the usual gap
+        new = self._follow(gap, batch, moved, took, rounds, GAP_SPAN_S)
         return None if new is None else usual / new
+
+    def _follow_batch(self, batch: float, dt: float) -> None:
+        """A round left out still shows the batch (where most rounds carry prefills, the
+        usual batch would otherwise lag, and a batch that grew would look like a cause)."""
+        if self.batch is not None:
+            self.batch += (1.0 - math.exp(-dt / SHIFT_TAU_S)) * (batch - self.batch)
+
+    def interrupt(self) -> None:
+        super().interrupt()
+        self._big = 0
 
 
 class _Track:

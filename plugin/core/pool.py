@@ -39,13 +39,14 @@ __all__ = ["Lease", "PodPool"]
 class Lease:
     """One routed request's hold on a pod's in-flight slot (and its share of the pod's load)."""
 
-    __slots__ = ("_pool", "key", "load", "pod", "released")
+    __slots__ = ("_pool", "key", "load", "pod", "prompt_tokens", "released")
 
-    def __init__(self, pool: PodPool, pod: Pod, load: float = 0.0) -> None:
+    def __init__(self, pool: PodPool, pod: Pod, load: float = 0.0, prompt_tokens: int = 0) -> None:
         self._pool = pool
         self.pod = pod
         self.key = pod.key
         self.load = load
+        self.prompt_tokens = prompt_tokens
         self.released = False
 
     def release(
@@ -142,6 +143,7 @@ class PodPool:
         "_gaps",
         "_health",
         "_inflight",
+        "_inflight_prompt",
         "_load",
         "_metrics",
         "_metrics_max_age_s",
@@ -162,6 +164,7 @@ class PodPool:
         "_slot",
         "_speed",
         "_streaming",
+        "_streaming_prompt",
         "_unpublished",
         "_unreachable",
         "loaded",
@@ -193,6 +196,7 @@ class PodPool:
         self._profiles: ProfileBook | None = None  # GPU profiles by deployment (SLO routing)
         self._slot: dict[str, tuple[_Model, int]] = {}  # pod key -> its model, its position
         self._inflight: dict[str, int] = {}
+        self._inflight_prompt: dict[str, int] = {}  # their prompt tokens (`Lease.prompt_tokens`)
         self._load: dict[str, float] = {}  # summed Lease.load of this gateway's requests
         self._routed: dict[str, int] = {}
         self._metrics: dict[str, _Scraped] = {}
@@ -219,6 +223,7 @@ class PodPool:
         # Of this gateway's requests on each pod, those whose first chunk came (the rest wait
         # or prefill on the engine, and a step that prefills is no measure of decoding).
         self._streaming: dict[str, int] = {}
+        self._streaming_prompt: dict[str, int] = {}  # their prompt tokens
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
@@ -258,8 +263,8 @@ class PodPool:
             self._engine_tokens.pop(key, None)
             self._speed.pop(key, None)
             self._gaps.pop(key, None)
-            # `_streaming` stays, as `_inflight` does: the pod's running streams still end
-            # (`stream_ended`), also if it comes back under the same key meanwhile.
+            # `_streaming` (and the prompt counts) stay, as `_inflight` does: the pod's running
+            # streams still end (`stream_ended`), also if it comes back under the same key.
             self._rescaled.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
@@ -420,15 +425,20 @@ class PodPool:
                 candidate.load = load
                 state.view.changed(order)
 
-    def acquire(self, pod: Pod, load: float = 0.0) -> Lease:
-        """Take an in-flight slot on `pod`; `load` is the request's share of it (SLO routing)."""
+    def acquire(self, pod: Pod, load: float = 0.0, prompt_tokens: int = 0) -> Lease:
+        """Take an in-flight slot on `pod`; `load` is the request's share of it (SLO routing),
+        `prompt_tokens` its prompt's (what the engine prefills before its first chunk)."""
         key = pod.key
         self._inflight[key] = self._inflight.get(key, 0) + 1
+        if prompt_tokens > 0:
+            self._inflight_prompt[key] = self._inflight_prompt.get(key, 0) + prompt_tokens
+        else:
+            prompt_tokens = 0
         self._routed[key] = self._routed.get(key, 0) + 1
         if load:
             self._load[key] = self._load.get(key, 0.0) + load
         self._inflight_changed(key)
-        return Lease(self, pod, load)
+        return Lease(self, pod, load, prompt_tokens)
 
     def pod_by_endpoint(self, endpoint: str) -> Pod | None:
         """The pod behind a `target-pod` IP:PORT (the counting filter knows only that)."""
@@ -463,6 +473,8 @@ class PodPool:
         else:
             self._inflight.pop(key, None)
             self._load.pop(key, None)  # nothing in flight: exactly 0, whatever the float sums
+        if lease.prompt_tokens:
+            _take(self._inflight_prompt, key, lease.prompt_tokens)
         self._inflight_changed(key)
         if key in self._pods:  # else removed while in flight: do not resurrect its state
             if output_tokens > 0:
@@ -599,32 +611,38 @@ class PodPool:
             if other is not None and other is not seen_by:
                 other.rebase(factor)
 
-    def stream_started(self, key: str) -> None:
-        """One of this gateway's responses from the pod sent its first chunk."""
+    def stream_started(self, key: str, prompt_tokens: int = 0) -> None:
+        """One of this gateway's responses from the pod sent its first chunk (its prompt of
+        `prompt_tokens` was prefilled in the steps just run)."""
         self._streaming[key] = self._streaming.get(key, 0) + 1
+        if prompt_tokens > 0:
+            self._streaming_prompt[key] = self._streaming_prompt.get(key, 0) + prompt_tokens
+            watch = self._gaps.get(key)
+            if watch is not None:
+                watch.started(prompt_tokens)
 
-    def stream_ended(self, key: str) -> None:
-        """A response that had started (`stream_started`) ended."""
-        left = self._streaming.get(key, 0) - 1
-        if left > 0:
-            self._streaming[key] = left
-        else:
-            self._streaming.pop(key, None)
+    def stream_ended(self, key: str, prompt_tokens: int = 0) -> None:
+        """A response that had started (`stream_started`, with the same `prompt_tokens`)
+        ended."""
+        _take(self._streaming, key, 1)
+        if prompt_tokens > 0:
+            _take(self._streaming_prompt, key, prompt_tokens)
 
     def observe_chunk_gap(self, key: str, gap_s: float, count: int = 1) -> None:
         """Seconds between two chunks of one of the pod's streams (`count` streams saw it):
         its `GapWatch` rescales the capacity estimate when the pod's speed changed, and routing
         sees the new estimate at once, not at the end of the scrape tick. While some of this
-        gateway's requests on the pod have no first chunk yet, its steps may carry prefills,
-        and the gap is not taken for the pod's decoding speed."""
+        gateway's requests on the pod have no first chunk yet, its steps may carry their
+        prefills: the watch counts their prompt tokens in the work that may explain a longer
+        step."""
         if key not in self._pods:
             return
         watch = self._gaps.get(key)
         if watch is None:
             watch = self._gaps[key] = GapWatch()
-        local = self._inflight.get(key, 0)
-        prefill = local > self._streaming.get(key, 0)
-        factor = watch.add(gap_s, count, local + self._remote.get(key, 0), prefill)
+        waiting = self._inflight_prompt.get(key, 0) - self._streaming_prompt.get(key, 0)
+        batch = self._inflight.get(key, 0) + self._remote.get(key, 0)
+        factor = watch.add(gap_s, count, batch, max(0, waiting))
         if factor is None:
             return
         self._speed_changed(key, factor, watch)
@@ -921,3 +939,12 @@ class PodPool:
             }
         orphans = {k: v for k, v in self._inflight.items() if k not in self._pods}
         return {"pods": pods, "inflight_removed_pods": orphans}
+
+
+def _take(counts: dict[str, int], key: str, n: int) -> None:
+    """Take `n` from a per-pod count, dropping the pod's entry at zero (never below)."""
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

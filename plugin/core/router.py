@@ -459,7 +459,7 @@ class Router:
                     request = dataclasses.replace(request, predicted_output_tokens=predicted)
         answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
-            lease = self.pool.acquire(answer.candidate.pod, answer.load)
+            lease = self.pool.acquire(answer.candidate.pod, answer.load, request.prompt_tokens)
             _tell_routed(strategy, answer.candidate, request)
             return Decision(lease, asked.name, request, now, answer.expected_e2e_s)
         if type(answer) is Reject:
@@ -561,7 +561,9 @@ class Router:
             return
         if type(answer) is Route:
             self._forget(waiter)
-            lease = self.pool.acquire(answer.candidate.pod, answer.load)
+            lease = self.pool.acquire(
+                answer.candidate.pod, answer.load, waiter.request.prompt_tokens
+            )
             _tell_routed(strategy, answer.candidate, waiter.request)
             decision = Decision(lease, strategy.name, waiter.request, now, answer.expected_e2e_s)
             self._settled(waiter, decision, None)

@@ -331,10 +331,10 @@ def simulate(
                     pool.observe_chunk_gap(key, duration, decoded)
                 for seq, _ in chunks:
                     if seq.first_token_at == now:  # its first chunk: it streams from here
-                        pool.stream_started(key)
+                        pool.stream_started(key, seq.prompt_tokens)
             for seq in done:
                 if gw.chunk_gaps:
-                    pool.stream_ended(pods[i].key)
+                    pool.stream_ended(pods[i].key, seq.prompt_tokens)
                 router.completed(MODEL, seq.prompt_tokens, seq.output_tokens, 200)
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
             start_step(i)
