@@ -1,20 +1,24 @@
 """Capacity shift through real Envoy: a fast and a slow mock engine exchange speeds mid-run.
 
 For each strategy (least-request, then load-balance) a fresh stack of the demo's kind starts:
-three mock engines (a100, l20 and v100 presets at the demo's time scale), the plugin and Envoy.
+three mock engines (a100, l20 and v100 presets at the demo's time scale), the plugin and Envoy;
+once with the engines sending each token in its own SSE event (no stream interval), once
+with eight tokens an event (the demo's default, which keeps its CPU low on small machines): the
+chunk-gap watch sees one gap per event, so the second sees a change eight steps later.
 An open-loop load at `LOAD` of the fleet's saturated output rate runs for WARMUP_S + STEADY_S +
 AFTER_S seconds; at WARMUP_S + STEADY_S the a100 and the v100 exchange step costs (the mock
 engine's `PUT /mock/step-costs`: another tenant on the fast GPU, a replica restarted with other
 engine args). The plugin's `/debug/pods` is read every second for each pod's capacity estimate
-(learned from the engines' own token counters, with the speed watch).
+(learned from the engines' own token counters, with the scrape and chunk-gap watches).
 
 Reported: p99 time per output token of the requests that arrived in the STEADY_S before the
 swap and finished before it, of those running at the swap or arriving in the first DURING_S
-after it (and, apart, of those of them that arrived after the swap: what routing decided), and
-of those arriving later; how long after the swap load-balance's
+after it (and apart, those of them running at the swap, placed before anything changed, and
+those that arrived after it: what routing decided), and of those arriving later; how long after
+the swap load-balance's
 estimates put the new fast replica above the new slow one for good; each replica's share.
 
-    python benchmarks/capacity_shift.py       # about 9 minutes
+    python benchmarks/capacity_shift.py       # about 18 minutes
 
 Writes the `capacity-shift-envoy` section of docs/benchmarks.md and
 docs/bench/capacity-shift-envoy.png.
@@ -43,6 +47,7 @@ STEADY_S = 60.0
 DURING_S = 60.0
 AFTER_S = 120.0
 LOAD = 0.7
+TOKENS_PER_EVENT = (1, 8)
 STRATEGIES = ("least-request", "load-balance")
 FAST, SLOW = "a100-0", "v100-0"
 COSTS = ("a_ms", "b_ms", "prefill_ms_per_token")
@@ -52,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass(frozen=True, slots=True)
 class Run:
     strategy: str
+    tokens_per_event: int
     rate: float
     results: list[RequestResult]
     estimates: list[tuple[float, dict[str, float | None]]]  # (s since start, per pod name)
@@ -71,8 +77,8 @@ async def _swap(session: aiohttp.ClientSession, urls: dict[str, str]) -> None:
                 raise RuntimeError(f"{name}: {resp.status} {await resp.text()}")
 
 
-async def run(strategy: str) -> Run:
-    opts = UpOptions(port=free_port())
+async def run(strategy: str, tokens_per_event: int) -> Run:
+    opts = UpOptions(port=free_port(), tokens_per_chunk=tokens_per_event)
     total = WARMUP_S + STEADY_S + AFTER_S
     async with LocalFleet(fleet_spec(opts)) as fleet, aiohttp.ClientSession() as session:
         saturated = sum(e.saturated_tokens_per_s for e in fleet.engines)
@@ -97,7 +103,7 @@ async def run(strategy: str) -> Run:
             estimates.append((now, {p["name"]: p["capacity_tokens_per_s"] for p in pods.values()}))
         names = {e.name: e.name for e in fleet.engines}
         names.update({f"127.0.0.1:{e.port}": e.name for e in fleet.engines})
-        return Run(strategy, rate, await load, estimates, names)
+        return Run(strategy, tokens_per_event, rate, await load, estimates, names)
 
 
 def _p99(values: list[float]) -> float:
@@ -168,15 +174,16 @@ def plot(load_balance: Run, path: Path) -> None:
 
 async def main() -> None:
     runs = []
-    for strategy in STRATEGIES:
-        print(f"{strategy} ...", file=sys.stderr, flush=True)
-        runs.append(await run(strategy))
+    for k in TOKENS_PER_EVENT:
+        for strategy in STRATEGIES:
+            print(f"{strategy}, {k} tokens an event ...", file=sys.stderr, flush=True)
+            runs.append(await run(strategy, k))
     names = (FAST, "l20-0", SLOW)
     lines = [
-        "| strategy | TPOT p99 ms before | during (first 60 s) | of which arrived after the swap "
-        f"| after | re-rank s | traffic follows s | share before ({' / '.join(names)}) "
-        "| share after |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tokens an event | strategy | TPOT p99 ms before | during (first 60 s) "
+        "| of which running at the swap | of which arrived after it | after | re-rank s "
+        f"| traffic follows s | share before ({' / '.join(names)}) | share after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     failed = 0
     for r in runs:
@@ -185,43 +192,50 @@ async def main() -> None:
         routed_after = _p99(
             [t for x in d_reqs if x.started_at >= at and (t := x.tpot_s) is not None]
         )
+        running = _p99([t for x in d_reqs if x.started_at < at and (t := x.tpot_s) is not None])
         failed += sum(not x.ok for x in r.results)
         re = "-" if r.strategy == "least-request" else f"{rerank(r.estimates):.0f}"
         routed = ((x.started_at, r.names.get(x.replica or "")) for x in r.results if x.ok)
         follows = traffic_follows(routed, at, SLOW, FAST, span_s=AFTER_S)
         lines.append(
-            f"| {r.strategy} | {1000 * before:.1f} | {1000 * during:.1f} "
-            f"| {1000 * routed_after:.1f} | {1000 * after:.1f} | {re} | {follows:.0f} "
+            f"| {r.tokens_per_event} | {r.strategy} | {1000 * before:.1f} | {1000 * during:.1f} "
+            f"| {1000 * running:.1f} | {1000 * routed_after:.1f} | {1000 * after:.1f} | {re} "
+            f"| {follows:.0f} "
             f"| {' / '.join(f'{_share(r, b_reqs, n):.2f}' for n in names)} "
             f"| {' / '.join(f'{_share(r, a_reqs, n):.2f}' for n in names)} |"
         )
     table = "\n".join(lines)
     print(table)
     image = ROOT / "docs" / "bench" / "capacity-shift-envoy.png"
-    plot(runs[-1], image)
+    plot(runs[1], image)  # load-balance, a token an event
     sent = sum(len(r.results) for r in runs)
     write_section(
         ROOT / "docs" / "benchmarks.md",
         "capacity-shift-envoy",
         "## Capacity shift through Envoy\n\n"
-        "Generated by `python benchmarks/capacity_shift.py` (about 9 minutes): the demo's stack"
+        "Generated by `python benchmarks/capacity_shift.py` (about 18 minutes): the demo's stack"
         " (mock engines a100, l20, v100 at the demo's time scale, the plugin, Envoy) under"
         f" Poisson load at {LOAD:g} of the fleet's saturated output rate"
-        f" ({runs[0].rate:.1f} req/s), one fresh stack per strategy; after {WARMUP_S:g} s of"
+        f" ({runs[0].rate:.1f} req/s), one fresh stack per strategy and engine streaming"
+        " (each token its own SSE event, as an engine streams without a stream interval; eight"
+        " tokens an event,"
+        f" the demo's default); after {WARMUP_S:g} s of"
         f" warm-up and {STEADY_S:g} s measured, the a100 and the v100 exchange step costs"
         " (`PUT /mock/step-costs`). load-balance learns from the engines' token counters, with"
-        " the speed watch. Re-rank: seconds after the swap from which the plugin's estimate of"
+        " the scrape and chunk-gap watches (the demo counts in `observe` mode). Re-rank:"
+        " seconds after the swap from which the plugin's estimate of"
         " the new fast replica stays above the new slow one's (`/debug/pods`, read each"
         " second). Traffic follows: seconds after the swap to the first of five 2 s bins in a"
         " row in each of which the new fast replica was sent more requests than the new slow"
         " one. Windows: before counts requests that arrived in the"
         f" {STEADY_S:g} s before the swap and finished before it; during, those running at the"
-        f" swap or arriving in the {DURING_S:g} s after it (and apart, those of them that"
-        " arrived after the swap, whose replica was chosen after the change); after, those"
-        " arriving later."
+        f" swap or arriving in the {DURING_S:g} s after it (and apart, those of them running at"
+        " the swap, placed before the change, and those that arrived after it, placed after);"
+        " after, those arriving later."
         f" {sent} requests, {failed} failed.\n\n"
         + table
-        + "\n\n![capacity estimates around the swap](bench/capacity-shift-envoy.png)\n",
+        + "\n\n![capacity estimates around the swap, load-balance, a token an event]"
+        "(bench/capacity-shift-envoy.png)\n",
     )
     print("wrote docs/benchmarks.md", file=sys.stderr)
 
