@@ -279,3 +279,18 @@ def slo_event_sequence(rng: random.Random, n: int) -> None:
     for lease in leases:
         lease.release()
     assert all(c.load == 0.0 for c in pool.candidates(MODEL, now))
+
+
+def test_an_ejection_ended_by_a_later_clock_leaves_no_pod_out() -> None:
+    """A success seen with a newer clock than the view's ends the pod's ejection (Hypothesis
+    found it: the view kept the pod out until the old ejection's end, while the pool said it
+    was back)."""
+    pool = PodPool(CapacityEstimator(), ejection=EjectionPolicy(consecutive_5xx=2, base_s=3.0))
+    pods = [Pod(f"p{i}", "ns", MODEL, "10.0.0.1", 8000 + i, 8000) for i in range(3)]
+    pool.set_pods(pods)
+    for _ in range(2):
+        pool.acquire(pods[0]).release(0, 503, 10.0)  # ejected until 13.0
+    assert [c.pod.key for c in pool.candidates(MODEL, 11.0)] == ["ns/p1", "ns/p2"]
+    pool.acquire(pods[0]).release(5, 200, 14.0)  # a caller whose clock is past the ejection
+    assert not pool.ejected(pods[0].key, 12.0)
+    assert [c.pod.key for c in pool.candidates(MODEL, 12.0)] == ["ns/p0", "ns/p1", "ns/p2"]

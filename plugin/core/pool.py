@@ -494,6 +494,10 @@ class PodPool:
                     h.failures = 0  # a request from before the ejection: it does not end it
                 else:
                     del self._health[key]
+                    if h.ejections:
+                        # The ejection is over as of this clock; a view last brought up to date
+                        # by an older one still holds the pod out until it ends (`next_heal`).
+                        self._mark_dirty(key)
             return
         if h is None:
             h = self._health[key] = _Health()
