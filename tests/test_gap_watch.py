@@ -233,7 +233,8 @@ def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out()
         pool.observe_chunk_gap(POD.key, 0.09)
     after = pool.candidates("m", 10.0)[0].capacity  # no scrape tick in between
     assert after == pytest.approx(before / 3, rel=0.05)
-    assert pool.snapshot(10.0)["pods"][POD.key]["speed_changes"] == 1
+    seen = pool.snapshot(10.0)["pods"][POD.key]
+    assert seen["speed_changes"] == seen["speed_changes_from_chunk_gaps"] == 1
     pool.stream_ended(POD.key, PROMPT)
     assert pool._streaming[POD.key] == 19
     assert pool._streaming_prompt[POD.key] == 19 * PROMPT

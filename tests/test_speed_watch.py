@@ -151,7 +151,8 @@ def test_the_pool_rescales_a_replica_whose_engine_counter_shows_it_slowed() -> N
     after = [scrape(t, 22.0, 0.35) for t in range(60, 66)]
     seen = after[SHIFT_SCRAPES - 1]
     assert seen is not None and seen < 0.5 * before
-    assert pool.snapshot(66.0)["pods"][POD.key]["speed_changes"] == 1  # /debug/pods says so
+    seen = pool.snapshot(66.0)["pods"][POD.key]  # /debug/pods says so, and which watch
+    assert seen["speed_changes"] == 1 and seen["speed_changes_from_chunk_gaps"] == 0
     # A nearly full KV cache preempts: the speed then says nothing, and is not acted on.
     pool2 = PodPool(CapacityEstimator())
     pool2.set_pods([POD])

@@ -155,6 +155,7 @@ class PodPool:
         "_queue_streak",
         "_remote",
         "_rescaled",
+        "_rescaled_by_gaps",
         "_routed",
         "_saturation",
         "_saturation_probe_s",
@@ -218,6 +219,7 @@ class PodPool:
         # scrape (`SpeedWatch`).
         self._speed: dict[str, tuple[SpeedWatch, float, float]] = {}
         self._rescaled: dict[str, int] = {}  # speed changes the watches acted on, per pod
+        self._rescaled_by_gaps: dict[str, int] = {}  # of those, the chunk-gap watch's
         # Per pod whose response chunks this gateway sees: its chunk-gap watch (`GapWatch`).
         self._gaps: dict[str, GapWatch] = {}
         # Of this gateway's requests on each pod, those whose first chunk came (the rest wait
@@ -266,6 +268,7 @@ class PodPool:
             # `_streaming` (and the prompt counts) stay, as `_inflight` does: the pod's running
             # streams still end (`stream_ended`), also if it comes back under the same key.
             self._rescaled.pop(key, None)
+            self._rescaled_by_gaps.pop(key, None)
             self._unpublished.pop(key, None)
             self._shared_seen.pop(key, None)
         self._pods = new
@@ -610,6 +613,8 @@ class PodPool:
         pod's other watch takes the new speed as its usual (`rebase`)."""
         self._capacity.rescale(key, factor)
         self._rescaled[key] = self._rescaled.get(key, 0) + 1
+        if isinstance(seen_by, GapWatch):
+            self._rescaled_by_gaps[key] = self._rescaled_by_gaps.get(key, 0) + 1
         scrapes = self._speed.get(key)
         for other in (None if scrapes is None else scrapes[0], self._gaps.get(key)):
             if other is not None and other is not seen_by:
@@ -928,6 +933,7 @@ class PodPool:
                 "token_source": self.token_source(key),
                 "capacity_tokens_per_s": self.capacity(key),
                 "speed_changes": self._rescaled.get(key, 0),
+                "speed_changes_from_chunk_gaps": self._rescaled_by_gaps.get(key, 0),
                 "saturation": self.saturation(key),
                 "saturation_source": self.saturation_source(key),
                 "ejected": self.ejected(key, now),

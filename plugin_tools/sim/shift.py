@@ -29,7 +29,8 @@ turn first); flips before the swap count order changes of any two estimates in a
 fleet where nothing changed (flapping under noise).
 
 `python -m plugin_tools.sim.shift` prints the Markdown table (`--help` for the knobs);
-`--sweep-loads` adds a table over loads and seeds (`shift_sweep`).
+`--sweep-loads` adds a table over loads and seeds (`shift_sweep`); `--still` runs fleets where
+nothing changes and counts what the speed watches did there (`still_sweep`: they must not act).
 """
 
 from __future__ import annotations
@@ -56,7 +57,15 @@ from plugin_tools.sim.fleet import (
 from plugin_tools.sim.metrics import DEFAULT_SLO
 from plugin_tools.sim.report import study_command
 from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
-from plugin_tools.sim.workload import CHAT, Arrivals, LengthSource, generate
+from plugin_tools.sim.workload import (
+    CHAT,
+    LONG,
+    Arrivals,
+    LengthSource,
+    MixedLengths,
+    SimRequest,
+    generate,
+)
 
 __all__ = [
     "DEFAULT_FLEET",
@@ -67,6 +76,7 @@ __all__ = [
     "format_sweep",
     "shift_study",
     "shift_sweep",
+    "still_sweep",
     "traffic_follows",
     "transition_window",
 ]
@@ -293,6 +303,93 @@ def shift_study(
     )
 
 
+# Where nothing changes: the fleets, workloads (chat, and chat with a fifth of long prompts,
+# whose prefills stall steps) and arrivals (Poisson, and bursty) of `still_sweep`.
+STILL_FLEETS = ("a100,3xa10", DEFAULT_FLEET)
+STILL_LENGTHS: tuple[LengthSource, ...] = (
+    CHAT,
+    MixedLengths(((0.8, CHAT), (0.2, LONG)), name="chat + a fifth long"),
+)
+STILL_ARRIVALS = (Arrivals(), Arrivals(kind="gamma", cv=2.0))
+STILL_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StillRow:
+    fleet: str
+    lengths: str
+    arrivals: str
+    load: float
+    by_scrapes: int  # rescales the scrape watch made, over all replicas
+    by_chunk_gaps: int  # ... and the chunk-gap watch
+
+
+def still_sweep(loads: Sequence[float], seed: int = 1) -> list[StillRow]:
+    """Load-balance with both speed watches (`chunk gaps`) for STILL_S simulated seconds in
+    fleets where nothing changes, at each load and over the workloads and arrivals above:
+    what a watch acts on there is a false alarm (a rescale the traffic pays for)."""
+    gateway = next(g for _, _, g, _ in VARIANTS if g.chunk_gaps)
+    rows = []
+    for fleet in STILL_FLEETS:
+        profiles = tuple(parse_fleet(fleet))
+        for lengths in STILL_LENGTHS:
+            scenario = Scenario(profiles, lengths, warmup_s=60.0, seed=seed)
+            g_star = sum(slo_capacities(scenario).values())
+            for load in loads:
+                for arrivals in STILL_ARRIVALS:
+                    rate = load * g_star
+                    n = math.ceil(rate * STILL_S)
+                    requests = generate(lengths, arrivals, rate, n, random.Random(seed))
+                    by_scrapes, by_gaps = _still_run(scenario, gateway, requests, seed)
+                    kind = "Poisson" if arrivals.kind == "poisson" else f"Gamma cv {arrivals.cv:g}"
+                    name = getattr(lengths, "name", "?")
+                    rows.append(StillRow(fleet, name, kind, load, by_scrapes, by_gaps))
+    return rows
+
+
+def _still_run(
+    scenario: Scenario, gateway: GatewayModel, requests: Sequence[SimRequest], seed: int
+) -> tuple[int, int]:
+    """One run of `still_sweep`: the rescales (by the scrape watch, by the chunk-gap watch)."""
+    last: list[tuple[float, PodPool]] = []
+
+    def record(now: float, pool: PodPool) -> None:
+        last[:] = [(now, pool)]
+
+    simulate(
+        scenario.profiles,
+        make_strategy("load-balance", scenario),
+        requests,
+        warmup_s=scenario.warmup_s,
+        gateway=gateway,
+        seed=seed,
+        max_tokens=scenario.lengths.max_output,
+        on_scrape=record,
+    )
+    now, pool = last[-1]
+    pods = pool.snapshot(now)["pods"].values()
+    by_gaps = sum(p["speed_changes_from_chunk_gaps"] for p in pods)
+    return sum(p["speed_changes"] for p in pods) - by_gaps, by_gaps
+
+
+def format_still(rows: Sequence[StillRow]) -> str:
+    """Per fleet, workload and arrivals: each watch's rescales at each load."""
+    groups: dict[tuple[str, str, str], list[StillRow]] = {}
+    for row in rows:
+        groups.setdefault((row.fleet, row.lengths, row.arrivals), []).append(row)
+    loads = " / ".join(f"{r.load:g}" for r in next(iter(groups.values()), []))
+    lines = [
+        f"| fleet | workload | arrivals | rescales by the scrape watch at {loads} x G* "
+        "| by the chunk-gap watch |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for (fleet, lengths, arrivals), group in groups.items():
+        scrapes = " / ".join(str(r.by_scrapes) for r in group)
+        gaps = " / ".join(str(r.by_chunk_gaps) for r in group)
+        lines.append(f"| {fleet} | {lengths} | {arrivals} | {scrapes} | {gaps} |")
+    return "\n".join(lines) + "\n"
+
+
 def format_markdown(study: ShiftStudy) -> str:
     fast, slow = (study.replicas[i] for i in study.swapped)
     lines = [
@@ -407,6 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sweep-loads", help="also run these loads (fractions of G*, comma-separated)"
     )
     parser.add_argument("--sweep-seeds", default="1,2,3", help="seeds of the sweep")
+    parser.add_argument(
+        "--still",
+        action="store_true",
+        help="instead: fleets where nothing changes, at loads 0.3-1.0 (or --sweep-loads), for"
+        f" {STILL_S:g} s each; what the speed watches acted on there (about a minute)",
+    )
     args = parser.parse_args(argv)
     if args.load <= 0:
         parser.error("--load must be positive")
@@ -417,6 +520,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--sweep-loads and --sweep-seeds: numbers separated by commas")
     if any(x <= 0 for x in loads):
         parser.error("--sweep-loads must be positive")
+    if args.still:
+        still = format_still(still_sweep(loads or [0.3, 0.5, 0.7, 0.8, 0.9, 1.0], args.seed))
+        sys.stdout.write(still)
+        if args.doc is not None:
+            command = study_command("python -m plugin_tools.sim.shift", argv)
+            write_section(
+                args.doc,
+                "capacity-shift-still",
+                f"Generated by `{command}` (about a minute): load-balance with both speed"
+                f" watches for {STILL_S:g} simulated seconds in fleets where nothing changes"
+                " (after 60 s of warm-up); the rescales each watch made over the run's replicas,"
+                " at each load: a false alarm each.\n\n" + still,
+            )
+        return 0
     try:
         study = shift_study(args.fleet, args.load, seed=args.seed)
         sweep = format_sweep(shift_sweep(args.fleet, loads, seeds)) if loads else ""
@@ -441,10 +558,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             " once. Where the gateway sees the response chunks (its counting filter reads"
             " them; `chunk gaps`), the chunk-gap watch also compares the time between two"
             " chunks of a stream, about one engine step, with the replica's usual: a move of"
-            " 1.5x slower (2x faster) held for ten steps in a row and 0.3 s, with no request of"
-            " that gateway on the replica still before its first chunk (a step that prefills"
-            " is no measure of decoding), rescales the estimate within a fraction of a second"
-            " and routing sees it at once. Re-rank is how long after the swap the new fast"
+            " 1.5x slower (2x faster) held for ten steps in a row and 0.3 s (three steps for"
+            " 2x slower), beyond what the prompts those steps may have prefilled can add (a step"
+            " that prefills is longer for every stream in it), rescales the estimate within a"
+            " fraction of a second and routing sees it at once. Re-rank is how long after the"
+            " swap the new fast"
             " replica's estimate stays"
             " above the new slow one's: the estimate is achieved throughput, so that also waits"
             " for traffic to move. Traffic follows from the first of five 2 s bins in a row in"
