@@ -236,7 +236,6 @@ def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out()
     seen = pool.snapshot(10.0)["pods"][POD.key]
     assert seen["speed_changes"] == seen["speed_changes_from_chunk_gaps"] == 1
     pool.stream_ended(POD.key, PROMPT)
-    assert pool._streaming[POD.key] == 19
     assert pool._streaming_prompt[POD.key] == 19 * PROMPT
 
 
@@ -291,10 +290,9 @@ def test_a_response_times_its_events_for_its_pod(monkeypatch: pytest.MonkeyPatch
     )
     event = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
     tokens.feed(b": keep-alive\n\n", False)  # no event: nothing timed, not started
-    assert POD.key not in pool._streaming
+    assert POD.key not in pool._streaming_prompt
     tokens.feed(event, False)
-    assert pool._streaming[POD.key] == 1  # the first event: its prefill is over
-    assert pool._streaming_prompt[POD.key] == PROMPT
+    assert pool._streaming_prompt[POD.key] == PROMPT  # the first event: its prefill is over
     now[0] += 0.05
     tokens.feed(event, False)
     now[0] += 0.2
@@ -303,23 +301,25 @@ def test_a_response_times_its_events_for_its_pod(monkeypatch: pytest.MonkeyPatch
     tokens.feed(b"data: [DONE]\n\n", True)
     tokens.close_gaps()
     tokens.close_gaps()  # once
-    assert POD.key not in pool._streaming and POD.key not in pool._streaming_prompt
+    assert POD.key not in pool._streaming_prompt
 
 
 def test_streams_that_outlive_a_pods_absence_still_end() -> None:
     """The pod leaves discovery and comes back while two streams run: new streams start before
-    the old ones end, and the count of started streams still matches what is in flight."""
+    the old ones end, and the prompt tokens of started streams still match those in flight
+    (nothing left counted as waiting)."""
     pool = PodPool(CapacityEstimator())
     pool.set_pods([POD])
-    old = [pool.acquire(POD) for _ in range(2)]
+    old = [pool.acquire(POD, prompt_tokens=PROMPT) for _ in range(2)]
     for _ in old:
-        pool.stream_started(POD.key)
+        pool.stream_started(POD.key, PROMPT)
     pool.set_pods([])
     pool.set_pods([POD])
-    new = [pool.acquire(POD) for _ in range(3)]
+    new = [pool.acquire(POD, prompt_tokens=PROMPT) for _ in range(3)]
     for _ in new:
-        pool.stream_started(POD.key)
+        pool.stream_started(POD.key, PROMPT)
     for lease in old:
-        pool.stream_ended(POD.key)
+        pool.stream_ended(POD.key, PROMPT)
         lease.release(10, 200, 1.0)
-    assert pool._streaming[POD.key] == pool.inflight(POD.key) == 3
+    assert pool._streaming_prompt[POD.key] == pool._inflight_prompt[POD.key] == 3 * PROMPT
+    assert pool.inflight(POD.key) == 3

@@ -713,18 +713,16 @@ class CountingProcessor:
             for h in req.request_headers.headers.headers:
                 if h.key == TARGET_POD_HEADER:
                     endpoint = _value(h)
-                    pool = self._router.pool
-                    self._pod = pod = pool.pod_by_endpoint(endpoint)
-                    if pod is not None and self._tokens.gaps is None:
-                        self._tokens.gaps = ChunkGaps(pool, pod.key, self._router.now)
+                    self._pod = self._router.pool.pod_by_endpoint(endpoint)
                 elif h.key == PROMPT_TOKENS_HEADER:
                     text = _value(h)
                     ok = text.isascii() and text.isdigit() and len(text) < 10
                     self._prompt_tokens = int(text) if ok else 0
                 elif h.key == "x-request-id":
                     request_id = _value(h)
-            if self._tokens.gaps is not None:
-                self._tokens.gaps.prompt_tokens = self._prompt_tokens
+            pod, router = self._pod, self._router
+            if pod is not None and self._tokens.gaps is None:
+                self._tokens.gaps = ChunkGaps(router.pool, pod.key, router.now, self._prompt_tokens)
             if self._handoff is not None and endpoint:
                 self._decision = self._handoff.claim((request_id, endpoint))
         elif phase == "response_headers" and self._pod is not None:

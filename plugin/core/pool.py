@@ -164,7 +164,6 @@ class PodPool:
         "_shared_tokens",
         "_slot",
         "_speed",
-        "_streaming",
         "_streaming_prompt",
         "_unpublished",
         "_unreachable",
@@ -222,10 +221,9 @@ class PodPool:
         self._rescaled_by_gaps: dict[str, int] = {}  # of those, the chunk-gap watch's
         # Per pod whose response chunks this gateway sees: its chunk-gap watch (`GapWatch`).
         self._gaps: dict[str, GapWatch] = {}
-        # Of this gateway's requests on each pod, those whose first chunk came (the rest wait
-        # or prefill on the engine, and a step that prefills is no measure of decoding).
-        self._streaming: dict[str, int] = {}
-        self._streaming_prompt: dict[str, int] = {}  # their prompt tokens
+        # The prompt tokens of this gateway's requests on each pod whose first chunk came: the
+        # rest of `_inflight_prompt` waits or prefills on the engine (`observe_chunk_gap`).
+        self._streaming_prompt: dict[str, int] = {}
         self._remote: dict[str, int] = {}  # other gateways' in-flight counts, per pod
         self._shared_tokens = False  # True: the estimator is fed from shared counters
         self._unpublished: dict[str, int] = {}  # counted while shared, not yet handed out
@@ -265,8 +263,8 @@ class PodPool:
             self._engine_tokens.pop(key, None)
             self._speed.pop(key, None)
             self._gaps.pop(key, None)
-            # `_streaming` (and the prompt counts) stay, as `_inflight` does: the pod's running
-            # streams still end (`stream_ended`), also if it comes back under the same key.
+            # The prompt counts stay, as `_inflight` does: the pod's running streams still end
+            # (`stream_ended`), also if it comes back under the same key.
             self._rescaled.pop(key, None)
             self._rescaled_by_gaps.pop(key, None)
             self._unpublished.pop(key, None)
@@ -623,17 +621,16 @@ class PodPool:
     def stream_started(self, key: str, prompt_tokens: int = 0) -> None:
         """One of this gateway's responses from the pod sent its first chunk (its prompt of
         `prompt_tokens` was prefilled in the steps just run)."""
-        self._streaming[key] = self._streaming.get(key, 0) + 1
-        if prompt_tokens > 0:
-            self._streaming_prompt[key] = self._streaming_prompt.get(key, 0) + prompt_tokens
-            watch = self._gaps.get(key)
-            if watch is not None:
-                watch.started(prompt_tokens)
+        if prompt_tokens <= 0:
+            return  # nothing known to have been prefilled
+        self._streaming_prompt[key] = self._streaming_prompt.get(key, 0) + prompt_tokens
+        watch = self._gaps.get(key)
+        if watch is not None:
+            watch.started(prompt_tokens)
 
     def stream_ended(self, key: str, prompt_tokens: int = 0) -> None:
         """A response that had started (`stream_started`, with the same `prompt_tokens`)
         ended."""
-        _take(self._streaming, key, 1)
         if prompt_tokens > 0:
             _take(self._streaming_prompt, key, prompt_tokens)
 

@@ -64,6 +64,7 @@ from plugin_tools.sim.workload import (
     LengthSource,
     MixedLengths,
     SimRequest,
+    SyntheticLengths,
     generate,
 )
 
@@ -306,7 +307,7 @@ def shift_study(
 # Where nothing changes: the fleets, workloads (chat, and chat with a fifth of long prompts,
 # whose prefills stall steps) and arrivals (Poisson, and bursty) of `still_sweep`.
 STILL_FLEETS = ("a100,3xa10", DEFAULT_FLEET)
-STILL_LENGTHS: tuple[LengthSource, ...] = (
+STILL_LENGTHS: tuple[SyntheticLengths | MixedLengths, ...] = (
     CHAT,
     MixedLengths(((0.8, CHAT), (0.2, LONG)), name="chat + a fifth long"),
 )
@@ -342,8 +343,7 @@ def still_sweep(loads: Sequence[float], seed: int = 1) -> list[StillRow]:
                     requests = generate(lengths, arrivals, rate, n, random.Random(seed))
                     by_scrapes, by_gaps = _still_run(scenario, gateway, requests, seed)
                     kind = "Poisson" if arrivals.kind == "poisson" else f"Gamma cv {arrivals.cv:g}"
-                    name = getattr(lengths, "name", "?")
-                    rows.append(StillRow(fleet, name, kind, load, by_scrapes, by_gaps))
+                    rows.append(StillRow(fleet, lengths.name, kind, load, by_scrapes, by_gaps))
     return rows
 
 
