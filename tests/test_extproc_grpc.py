@@ -1153,27 +1153,30 @@ async def test_the_counting_stream_tells_the_pool_when_the_prompt_was_prefilled(
 ) -> None:
     """The chunk-gap watch weighs the prompts a replica's steps may prefill: the lease carries
     the routed prompt's tokens, the counting stream learns them from the header the pick set
-    and marks them started at the first event; nothing is left counted at the end."""
+    and marks them started at the first event; nothing is left counted at the end, and the
+    end tells the pod's watch the response's tokens and events (its tokens per chunk)."""
     pool = running.gateway.pool
     headers = await _pick_headers(running, "req-p")
     endpoint = headers["target-pod"].decode()
     key = running.key_of(endpoint)
     prompt = int(headers[PROMPT_TOKENS_HEADER])
     assert prompt > 0 and pool._inflight_prompt[key] == prompt  # routed, not started
-    calls: list[tuple[str, str, int]] = []
+    calls: list[tuple[Any, ...]] = []
     for name in ("stream_started", "stream_ended"):
         real = getattr(PodPool, name)
 
-        def spy(self: PodPool, k: str, tokens: int = 0, name: str = name, real: Any = real) -> None:
-            calls.append((name, k, tokens))
-            real(self, k, tokens)
+        def spy(self: PodPool, k: str, *rest: int, name: str = name, real: Any = real) -> None:
+            calls.append((name, k, *rest))
+            real(self, k, *rest)
 
         monkeypatch.setattr(PodPool, name, spy)
     call = running.stub.Process(iter(_counting(endpoint, "req-p", 200, 5, headers)))
     async with asyncio.timeout(WAIT_S):
         assert [r async for r in call] == []
     await eventually(lambda: pool.inflight(key) == 0, "the counting stream to release it")
-    assert calls == [("stream_started", key, prompt), ("stream_ended", key, prompt)]
+    # Five tokens in four data events (three deltas and the usage): 1.25 tokens a chunk.
+    assert calls == [("stream_started", key, prompt), ("stream_ended", key, prompt, 5, 4)]
+    assert pool.snapshot(running.gateway.router.now())["pods"][key]["tokens_per_chunk"] == 1.25
     assert key not in pool._inflight_prompt and key not in pool._streaming_prompt
 
 

@@ -110,15 +110,31 @@ def test_traffic_follows_from_the_first_run_of_bins_the_new_fast_replica_wins() 
     assert traffic_follows(records, at, fast=2, slow=0) == math.inf
 
 
-def test_the_chunk_gap_watch_stays_still_where_nothing_changed() -> None:
+def test_at_eight_tokens_an_event_the_chunk_gaps_still_turn_the_traffic_first() -> None:
+    """Engines that stream eight tokens an event: one gap spans eight steps, and the watch
+    learns so from the streams that ended; it still turns the traffic at least as soon as the
+    scrapes do, re-ranks within 15 s, and beats least-request's first minute here."""
+    study = shift_study(load=0.7, seed=1, tokens_per_event=8)
+    rows = {row.variant: row for row in study.rows}
+    gaps, engine = rows["load-balance, chunk gaps"], rows["load-balance, engine counter"]
+    assert gaps.follows_s <= engine.follows_s and gaps.flips_before == 0
+    assert gaps.rerank_s is not None and gaps.rerank_s <= 15
+    assert gaps.tpot_p99[1] < min(engine.tpot_p99[1], rows["least-request"].tpot_p99[1])
+
+
+@pytest.mark.parametrize(("tokens_per_event", "loads"), [(1, [0.7, 1.0]), (8, [1.0])])
+def test_the_chunk_gap_watch_stays_still_where_nothing_changed(
+    tokens_per_event: int, loads: list[float]
+) -> None:
     """Heavy load, bursts of arrivals and long prefills move each step's length a lot; with
     nothing changed the chunk-gap watch may rescale nothing (without its prefill rule it
-    rescaled replicas three times in these runs). The scrape watch's rare act on bursty long
-    prompts is counted apart, as docs/benchmarks.md reports it."""
+    rescaled replicas three times in these runs; at eight tokens an event, with the usual
+    batch followed through the rounds it left out, twice at 1.0 G*). The scrape watch's rare
+    act on bursty long prompts is counted apart, as docs/benchmarks.md reports it."""
     from plugin_tools.sim.shift import STILL_ARRIVALS, STILL_FLEETS, STILL_LENGTHS, still_sweep
 
-    rows = still_sweep([0.7, 1.0])
-    assert len(rows) == len(STILL_FLEETS) * len(STILL_LENGTHS) * 2 * len(STILL_ARRIVALS)
+    rows = still_sweep(loads, tokens_per_event=tokens_per_event)
+    assert len(rows) == len(STILL_FLEETS) * len(STILL_LENGTHS) * len(loads) * len(STILL_ARRIVALS)
     assert {r.lengths for r in rows} == {"chat", "chat + a fifth long"}
     assert [(r.fleet, r.lengths, r.arrivals, r.load) for r in rows if r.by_chunk_gaps] == []
     assert [r for r in rows if r.by_scrapes and r.lengths == "chat"] == []

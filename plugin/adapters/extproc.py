@@ -222,10 +222,11 @@ class ChunkGaps:
         self._last = now
         self._events = events
 
-    def close(self) -> None:
+    def close(self, output_tokens: int = 0) -> None:
+        """The response ended (or was cut) with `output_tokens` in the events seen."""
         if self._last is not None:
             self._last = None
-            self._pool.stream_ended(self.key, self.prompt_tokens)
+            self._pool.stream_ended(self.key, self.prompt_tokens, output_tokens, self._events)
 
 
 class ResponseTokens:
@@ -255,7 +256,7 @@ class ResponseTokens:
 
     def close_gaps(self) -> None:
         if self.gaps is not None:
-            self.gaps.close()
+            self.gaps.close(self.output_tokens())
             self.gaps = None
 
     def output_tokens(self) -> int:

@@ -70,6 +70,9 @@ PREFILL_TOKEN_WEIGHT = 1.0
 # prefills, and the fixed part of a step, 50-75 streams' worth on the simulator's presets, makes
 # it much less); above, only as a slowdown beyond what its prefills can add (`GapWatch`).
 PREFILL_SHARE = 0.5
+# Each finished stream moves a replica's tokens per chunk by this share (`GapWatch.ended`): an
+# engine restarted with a stream interval or speculative decoding shows within a few dozen.
+PER_EVENT_WEIGHT = 0.05
 
 
 class _Usual:
@@ -138,25 +141,41 @@ class GapWatch(_Usual):
     `add` takes one gap between consecutive chunks of one of the replica's streams (seconds per
     chunk), `count` streams that saw it (the simulator passes a step's whole batch at once), the
     replica's requests in flight, and the prompt tokens of those still waiting for their first
-    chunk; `started` the prompt tokens of a stream whose first chunk just came. Gaps gather
-    into rounds of about one engine step (as many as the replica has requests in flight, at
-    least 2), and each round's median is one reading (a stall of one stream does not set it).
+    chunk; `started` the prompt tokens of a stream whose first chunk just came; `ended` the
+    tokens and chunks of a stream that ended. Where each chunk carries k tokens (`per_event`,
+    learned from `ended`: SGLang's stream interval, TensorRT-LLM, speculative decoding) a gap
+    spans k steps and a stream sends a chunk every k steps. Gaps gather into rounds of about
+    one engine step (the replica's requests in flight over k, at least 2), and each round's
+    median is one reading (a stall of one stream does not set it).
 
-    A round's steps may have run prefills: of the prompts that started in it, and of those that
-    waited through all of it (a long prompt prefilled in chunks over several steps); prompts
-    that came and went within it are the ones that started. Weighing a prompt token as
-    `PREFILL_TOKEN_WEIGHT` running streams, a round whose prefills are a share s of its batch
-    took at most (1 + s) times its steps' decoding alone, and less where a step's fixed part is
-    large. Up to `PREFILL_SHARE` the round is read as it is; above, it counts only as a slowdown
-    that its decoding alone (its gap over 1 + s) shows, and is otherwise left out (it breaks no
-    streak and moves only the usual batch). The rules are `SpeedWatch`'s: slower by
-    `SHIFT_RATIO` (faster by `GAP_SPEEDUP_RATIO`) at a batch that cannot explain it, for
-    `GAP_ROUNDS` rounds in a row (the last `GAP_BIG_ROUNDS` if each of them was `GAP_BIG_RATIO`
-    slower) over at least `GAP_SPAN_S`, after a tau of history. The result is the factor by
-    which the replica's speed changed (the usual gap over the streak's median), or None.
+    A round's gaps may span prefills: of the prompts that started in the k rounds up to it, and
+    of those that waited through all of it (a long prompt prefilled in chunks over several
+    steps); prompts that came and went within it are the ones that started. Weighing a prompt
+    token as `PREFILL_TOKEN_WEIGHT` running streams, gaps whose k steps prefilled a share s of
+    k times the batch took at most (1 + s) times those steps' decoding alone, and less where a
+    step's fixed part is large. Up to `PREFILL_SHARE` the round is read as it is; above, it
+    counts only as a slowdown that its decoding alone (its gap over 1 + s) shows, and is
+    otherwise left out (it breaks no streak and moves nothing). A batch q times the usual one
+    makes a step at most q times longer, so a slower round counts by its gap over q. The rules
+    are `SpeedWatch`'s: slower by `SHIFT_RATIO` (faster by `GAP_SPEEDUP_RATIO`) beyond what
+    the batch explains, for `GAP_ROUNDS` rounds in a row (the last `GAP_BIG_ROUNDS` if each of
+    them was `GAP_BIG_RATIO` slower) over at least `GAP_SPAN_S` (the first gap whole, then a
+    round's time each), after a tau of history. The result is the factor by which the
+    replica's output rate changed (the usual gap over the streak's median, times the batch's
+    growth), or None.
     """
 
-    __slots__ = ("_big", "_lingering", "_round", "_round_n", "_started")
+    __slots__ = (
+        "_big",
+        "_earlier",
+        "_ended_events",
+        "_ended_tokens",
+        "_lingering",
+        "_round",
+        "_round_n",
+        "_started",
+        "per_event",
+    )
     _PER_SPEED = -1
 
     def __init__(self) -> None:
@@ -164,8 +183,14 @@ class GapWatch(_Usual):
         self._round: list[tuple[float, int]] = []
         self._round_n = 0
         self._started = 0.0  # prompt tokens of streams that started in this round
+        self._earlier: deque[float] = deque()  # ... in the rounds before it a gap still spans
         self._lingering = math.inf  # the fewest prompt tokens waiting at any gap of this round
         self._big = 0  # readings in a row at least GAP_BIG_RATIO slower
+        # Tokens a stream gets per chunk, so steps per gap: 1 unless the engine sends several
+        # tokens an event (`ended`).
+        self.per_event = 1.0
+        self._ended_tokens = 0.0  # the finished streams' tokens and chunks, followed
+        self._ended_events = 0.0
 
     @property
     def gap(self) -> float | None:
@@ -177,6 +202,17 @@ class GapWatch(_Usual):
         if 0 < prompt_tokens < math.inf:
             self._started += prompt_tokens
 
+    def ended(self, tokens: int, events: int) -> None:
+        """One of the replica's streams ended with `tokens` output tokens in `events` chunks:
+        how many steps a gap spans (an engine's stream interval, speculative decoding). The
+        chunks that carry no token (the role, the usage) make it a little low: a round then
+        spans a little more than a step."""
+        if events < 2 or tokens <= 0:
+            return
+        self._ended_tokens += PER_EVENT_WEIGHT * (tokens - self._ended_tokens)
+        self._ended_events += PER_EVENT_WEIGHT * (events - self._ended_events)
+        self.per_event = max(1.0, self._ended_tokens / self._ended_events)
+
     def add(
         self, gap: float, count: int, batch: float, waiting_tokens: float = 0.0
     ) -> float | None:
@@ -186,26 +222,36 @@ class GapWatch(_Usual):
             return None
         self._round.append((gap, count))
         self._round_n += count
-        if self._round_n < max(SHIFT_MIN_RUNNING, batch):
+        steps = self.per_event
+        if self._round_n < max(SHIFT_MIN_RUNNING, batch / steps):
             return None
         half, seen, median = self._round_n / 2, 0, 0.0
         for median, n in sorted(self._round):  # noqa: B007 (the median is where it stops)
             seen += n
             if seen >= half:
                 break
-        share = PREFILL_TOKEN_WEIGHT * (self._started + self._lingering) / max(batch, 1.0)
+        earlier = self._earlier
+        prefilled = self._started + self._lingering + sum(earlier)
+        share = PREFILL_TOKEN_WEIGHT * prefilled / (max(batch, 1.0) * steps)
+        earlier.append(self._started)
+        while len(earlier) >= steps:
+            earlier.popleft()
+        # The round's own time: each stream sends a chunk a gap, so batch / steps chunks come
+        # in a step (the round), more where a round takes at least SHIFT_MIN_RUNNING chunks.
+        took = median * min(1.0, self._round_n / max(batch, 1.0))
         self._round.clear()
         self._round_n = 0
         self._started = 0.0
         self._lingering = math.inf
-        return self._observe(median, batch, share)
+        return self._observe(median, batch, share, took)
 
-    def _observe(self, gap: float, batch: float, share: float = 0.0) -> float | None:
+    def _observe(self, gap: float, batch: float, share: float, took: float) -> float | None:
+        """One round: its median `gap`, the prefills' `share`, the round's own time `took`."""
         if batch < SHIFT_MIN_RUNNING or not (batch < math.inf and share < math.inf):
             self.interrupt()
             return None
         heavy = share > PREFILL_SHARE
-        took = gap
+        whole = gap
         if heavy:
             gap /= 1 + share  # the least its steps' decoding alone took
         usual, usual_batch = self.value, self.batch
@@ -214,26 +260,35 @@ class GapWatch(_Usual):
                 self.value, self.batch, self.seen_s = gap, batch, 0.0
             return None
         rounds = GAP_ROUNDS
+        grown = max(1.0, batch / usual_batch)
         if gap >= SHIFT_RATIO * usual:
-            moved = batch <= (1 + SHIFT_BATCH_BAND) * usual_batch
-            self._big = self._big + 1 if moved and gap >= GAP_BIG_RATIO * usual else 0
+            # A step costs a fixed part plus a part per stream, so a batch q times the usual
+            # makes it at most q times longer: the rest is the replica's own.
+            beyond = gap / grown
+            moved = beyond >= SHIFT_RATIO * usual
+            if moved and beyond >= GAP_BIG_RATIO * usual:
+                self._big += 1
+            elif not heavy:  # a heavy round's slowdown is only a floor: it breaks no run
+                self._big = 0
             if self._big >= GAP_BIG_ROUNDS:
                 rounds = GAP_BIG_ROUNDS
         else:
-            self._big = 0
+            if not heavy:
+                self._big = 0
             fast = not heavy and gap * GAP_SPEEDUP_RATIO <= usual
             moved = fast and batch >= (1 - SHIFT_BATCH_BAND) * usual_batch
         if heavy and not moved:
-            self._follow_batch(batch, took)
-            return None  # no slowdown beyond its prefills, and no measure of the usual gap
-        new = self._follow(gap, batch, moved, took, rounds, GAP_SPAN_S)
-        return None if new is None else usual / new
-
-    def _follow_batch(self, batch: float, dt: float) -> None:
-        """A round left out still shows the batch (where most rounds carry prefills, the
-        usual batch would otherwise lag, and a batch that grew would look like a cause)."""
-        if self.batch is not None:
-            self.batch += (1.0 - math.exp(-dt / SHIFT_TAU_S)) * (batch - self.batch)
+            # No slowdown beyond its prefills, and no measure of the usual gap: the usual pair
+            # of gap and batch stays as it was (a batch followed without its gap would read a
+            # step of the old batch as the new one's).
+            return None
+        # A run of rounds spans its first gap whole (one gap is several steps where each chunk
+        # carries several tokens), then a round's time each.
+        starts = moved and not self.streak and self.seen_s >= SHIFT_TAU_S
+        span = whole if starts else took
+        new = self._follow(gap, batch, moved, span, rounds, GAP_SPAN_S)
+        # The replica's output rate moved by its streams' speed times its batch's growth.
+        return None if new is None else usual / new * grown
 
     def interrupt(self) -> None:
         super().interrupt()

@@ -628,11 +628,17 @@ class PodPool:
         if watch is not None:
             watch.started(prompt_tokens)
 
-    def stream_ended(self, key: str, prompt_tokens: int = 0) -> None:
+    def stream_ended(
+        self, key: str, prompt_tokens: int = 0, output_tokens: int = 0, events: int = 0
+    ) -> None:
         """A response that had started (`stream_started`, with the same `prompt_tokens`)
-        ended."""
+        ended, after `events` chunks that carried `output_tokens` (the watch learns how many
+        tokens the pod sends a chunk)."""
         if prompt_tokens > 0:
             _take(self._streaming_prompt, key, prompt_tokens)
+        watch = self._gaps.get(key)
+        if watch is not None:
+            watch.ended(output_tokens, events)
 
     def observe_chunk_gap(self, key: str, gap_s: float, count: int = 1) -> None:
         """Seconds between two chunks of one of the pod's streams (`count` streams saw it):
@@ -909,6 +915,7 @@ class PodPool:
         pods: dict[str, Any] = {}
         for key, pod in sorted(self._pods.items()):
             scraped = self._metrics.get(key)
+            gaps = self._gaps.get(key)
             pods[key] = {
                 "name": pod.name,
                 "namespace": pod.namespace,
@@ -931,6 +938,8 @@ class PodPool:
                 "capacity_tokens_per_s": self.capacity(key),
                 "speed_changes": self._rescaled.get(key, 0),
                 "speed_changes_from_chunk_gaps": self._rescaled_by_gaps.get(key, 0),
+                # Output tokens per chunk of its streams, as the chunk-gap watch learned it.
+                "tokens_per_chunk": None if gaps is None else round(gaps.per_event, 2),
                 "saturation": self.saturation(key),
                 "saturation_source": self.saturation_source(key),
                 "ejected": self.ejected(key, now),

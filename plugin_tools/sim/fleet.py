@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -62,6 +63,10 @@ class GatewayModel:
     # The gateway sees each stream's response chunks (its counting filter reads them), so the
     # gaps between them feed the chunk-gap speed watch (`plugin.core.capacity.GapWatch`).
     chunk_gaps: bool = False
+    # Tokens per SSE event of the engines' streams (SGLang's `--stream-interval`, TensorRT-LLM,
+    # speculative decoding): a stream's chunk then comes every this many steps, their phases
+    # spread, so about 1/this of the batch gets one from each step, after the last this many.
+    tokens_per_event: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +228,9 @@ def simulate(
         heapq.heappush(events, (t, counter, kind, data))
 
     busy = [False] * len(engines)
+    per_event = max(1, gw.tokens_per_event)
+    step_ends = [deque[float](maxlen=per_event + 1) for _ in engines]  # chunk gaps span these
+    chunk_share = [0.0] * len(engines)  # streams owed a chunk, in part
     seqs: list[SimSeq] = []
     placed = [-1] * len(requests)
     decided = [-1.0] * len(requests)
@@ -327,14 +335,26 @@ def simulate(
             done = engines[i].finish_step(now, duration, chunks)
             if gw.chunk_gaps:
                 key = pods[i].key
-                if decoded:
-                    pool.observe_chunk_gap(key, duration, decoded)
+                if per_event == 1:
+                    if decoded:
+                        pool.observe_chunk_gap(key, duration, decoded)
+                else:
+                    ends = step_ends[i]
+                    ends.append(now)
+                    chunk_share[i] += decoded / per_event
+                    sent = int(chunk_share[i])
+                    chunk_share[i] -= sent
+                    if sent and len(ends) > per_event:
+                        pool.observe_chunk_gap(key, now - ends[0], sent)
                 for seq, _ in chunks:
                     if seq.first_token_at == now:  # its first chunk: it streams from here
                         pool.stream_started(key, seq.prompt_tokens)
             for seq in done:
-                if gw.chunk_gaps:
-                    pool.stream_ended(pods[i].key, seq.prompt_tokens)
+                if gw.chunk_gaps:  # its chunks, with the role's and the usage's
+                    chunks_sent = -(-seq.output_tokens // per_event) + 2
+                    pool.stream_ended(
+                        pods[i].key, seq.prompt_tokens, seq.output_tokens, chunks_sent
+                    )
                 router.completed(MODEL, seq.prompt_tokens, seq.output_tokens, 200)
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
             start_step(i)
