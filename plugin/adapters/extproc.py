@@ -256,7 +256,8 @@ class ResponseTokens:
 
     def close_gaps(self) -> None:
         if self.gaps is not None:
-            self.gaps.close(self.output_tokens())
+            # An estimate counts events, which would read k tokens an event as one.
+            self.gaps.close(0 if self.estimated() else self.output_tokens())
             self.gaps = None
 
     def output_tokens(self) -> int:

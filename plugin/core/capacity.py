@@ -19,9 +19,10 @@ batch, scrape after scrape, the estimate is rescaled by it at once (`CapacityEst
 A scrape comes once a second, and each second a change goes unseen the fast replica keeps most of
 the load while it is slow. Where the gateway sees the response chunks anyway (its counting
 filter reads them), `GapWatch` watches the gaps between the chunks of each stream: one engine
-step apart, so a change shows within ten steps, a fraction of a second. (In the simulator,
-load-balance told of a swap of speeds at the moment it happens keeps its first minute below
-least-request's in every run, told a second later in about half: docs/benchmarks.md.) A step
+step apart, so a change shows within ten steps, a fraction of a second (k steps apart where an
+engine sends k tokens an event, which the watch learns: the change shows k steps later). In the
+simulator, load-balance told of a swap of speeds at the moment it happens keeps its first minute
+below least-request's in every run, told a second later in about half (docs/benchmarks.md). A step
 that runs a prefill is longer for every stream in it, so the watch weighs what the gateway
 knows of the prompts its steps may have prefilled (`PodPool.observe_chunk_gap`): a round counts
 as slower only beyond the most those prefills add. (Leaving out every round while any request
@@ -57,7 +58,7 @@ GAP_ROUNDS = 10
 GAP_SPAN_S = 0.3
 GAP_SPEEDUP_RATIO = 2.0
 # A slowdown this large holds for fewer rounds (still over GAP_SPAN_S): a step that much longer,
-# round after round at the same batch and beyond what its prefills can add, has no other cause,
+# round after round beyond what its batch and its prefills can add, has no other cause,
 # and each step it goes unseen the replica is sent requests that will run slow to their end.
 GAP_BIG_RATIO = 2.0
 GAP_BIG_ROUNDS = 3
@@ -159,10 +160,12 @@ class GapWatch(_Usual):
     makes a step at most q times longer, so a slower round counts by its gap over q. The rules
     are `SpeedWatch`'s: slower by `SHIFT_RATIO` (faster by `GAP_SPEEDUP_RATIO`) beyond what
     the batch explains, for `GAP_ROUNDS` rounds in a row (the last `GAP_BIG_ROUNDS` if each of
-    them was `GAP_BIG_RATIO` slower) over at least `GAP_SPAN_S` (the first gap whole, then a
-    round's time each), after a tau of history. The result is the factor by which the
-    replica's output rate changed (the usual gap over the streak's median, times the batch's
-    growth), or None.
+    them was `GAP_BIG_RATIO` slower), k - 1 more (one stall lengthens the gaps of k rounds),
+    over at least `GAP_SPAN_S` of the rounds' own time, after a tau of history. The result is
+    the factor by which the replica's output rate changed (the usual gap over the streak's
+    median, for a slowdown times the batch's growth), or None. A round's own time assumes the
+    gateway sees every stream of the replica; with several gateway replicas it sees a part and
+    a round spans several steps (the watch is then slower, not wrong).
     """
 
     __slots__ = (
@@ -213,6 +216,11 @@ class GapWatch(_Usual):
         self._ended_events += PER_EVENT_WEIGHT * (events - self._ended_events)
         self.per_event = max(1.0, self._ended_tokens / self._ended_events)
 
+    @property
+    def per_event_learned(self) -> bool:
+        """Some stream has ended: `per_event` is learned, not assumed."""
+        return self._ended_events > 0
+
     def add(
         self, gap: float, count: int, batch: float, waiting_tokens: float = 0.0
     ) -> float | None:
@@ -251,7 +259,6 @@ class GapWatch(_Usual):
             self.interrupt()
             return None
         heavy = share > PREFILL_SHARE
-        whole = gap
         if heavy:
             gap /= 1 + share  # the least its steps' decoding alone took
         usual, usual_batch = self.value, self.batch
@@ -259,9 +266,13 @@ class GapWatch(_Usual):
             if not heavy:
                 self.value, self.batch, self.seen_s = gap, batch, 0.0
             return None
-        rounds = GAP_ROUNDS
-        grown = max(1.0, batch / usual_batch)
+        # A gap spans k steps, so one stall (a long prefill, a pause of the gateway's event
+        # loop) lengthens the gaps of the k rounds after it: a run must outlast them.
+        beyond_one = math.ceil(self.per_event) - 1
+        rounds = GAP_ROUNDS + beyond_one
+        grown = 1.0
         if gap >= SHIFT_RATIO * usual:
+            grown = max(1.0, batch / usual_batch)
             # A step costs a fixed part plus a part per stream, so a batch q times the usual
             # makes it at most q times longer: the rest is the replica's own.
             beyond = gap / grown
@@ -270,8 +281,8 @@ class GapWatch(_Usual):
                 self._big += 1
             elif not heavy:  # a heavy round's slowdown is only a floor: it breaks no run
                 self._big = 0
-            if self._big >= GAP_BIG_ROUNDS:
-                rounds = GAP_BIG_ROUNDS
+            if self._big >= GAP_BIG_ROUNDS + beyond_one:
+                rounds = GAP_BIG_ROUNDS + beyond_one
         else:
             if not heavy:
                 self._big = 0
@@ -282,12 +293,9 @@ class GapWatch(_Usual):
             # of gap and batch stays as it was (a batch followed without its gap would read a
             # step of the old batch as the new one's).
             return None
-        # A run of rounds spans its first gap whole (one gap is several steps where each chunk
-        # carries several tokens), then a round's time each.
-        starts = moved and not self.streak and self.seen_s >= SHIFT_TAU_S
-        span = whole if starts else took
-        new = self._follow(gap, batch, moved, span, rounds, GAP_SPAN_S)
-        # The replica's output rate moved by its streams' speed times its batch's growth.
+        new = self._follow(gap, batch, moved, took, rounds, GAP_SPAN_S)
+        # The replica's output rate moved by its streams' speed times its batch's growth (a
+        # slowdown's; a speed-up is taken at its streams' speed alone).
         return None if new is None else usual / new * grown
 
     def interrupt(self) -> None:

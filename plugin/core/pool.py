@@ -596,6 +596,7 @@ class PodPool:
             self._capacity.add_tokens(key, round(gained))
         if seen is not None and total < last:
             seen[0].interrupt()  # a restarted engine: the scrapes around it are not in a row
+            self._gaps.pop(key, None)  # and its chunks (another stream interval) learned anew
         if seen is not None and ran is not None and total >= last:
             watch, then, ran_then = seen
             kv = metrics.kv_usage
@@ -652,6 +653,12 @@ class PodPool:
         watch = self._gaps.get(key)
         if watch is None:
             watch = self._gaps[key] = GapWatch()
+        scraped = self._metrics.get(key)
+        if scraped is not None and (kv := scraped.metrics.kv_usage) is not None and kv >= KV_BOUND:
+            # A full KV cache preempts and recomputes: steps grow beyond the batch's share (the
+            # scrape watch stops there too).
+            watch.interrupt()
+            return
         waiting = self._inflight_prompt.get(key, 0) - self._streaming_prompt.get(key, 0)
         batch = self._inflight.get(key, 0) + self._remote.get(key, 0)
         factor = watch.add(gap_s, count, batch, max(0, waiting))
@@ -939,7 +946,9 @@ class PodPool:
                 "speed_changes": self._rescaled.get(key, 0),
                 "speed_changes_from_chunk_gaps": self._rescaled_by_gaps.get(key, 0),
                 # Output tokens per chunk of its streams, as the chunk-gap watch learned it.
-                "tokens_per_chunk": None if gaps is None else round(gaps.per_event, 2),
+                "tokens_per_chunk": round(gaps.per_event, 2)
+                if gaps is not None and gaps.per_event_learned
+                else None,
                 "saturation": self.saturation(key),
                 "saturation_source": self.saturation_source(key),
                 "ejected": self.ejected(key, now),

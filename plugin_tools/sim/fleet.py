@@ -242,6 +242,8 @@ def simulate(
         plan = engines[i].plan_step()
         if plan is None:
             busy[i] = False
+            step_ends[i].clear()  # no stream spans an idle engine's pause
+            chunk_share[i] = 0.0
             return
         busy[i] = True
         duration, chunks = plan
