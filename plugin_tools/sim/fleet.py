@@ -229,7 +229,8 @@ def simulate(
 
     busy = [False] * len(engines)
     per_event = max(1, gw.tokens_per_event)
-    step_ends = [deque[float](maxlen=per_event + 1) for _ in engines]  # chunk gaps span these
+    # The last steps' durations, per engine: a stream's gap between two chunks spans them.
+    spanned = [deque[float](maxlen=per_event) for _ in engines]
     chunk_share = [0.0] * len(engines)  # streams owed a chunk, in part
     seqs: list[SimSeq] = []
     placed = [-1] * len(requests)
@@ -242,7 +243,7 @@ def simulate(
         plan = engines[i].plan_step()
         if plan is None:
             busy[i] = False
-            step_ends[i].clear()  # no stream spans an idle engine's pause
+            spanned[i].clear()  # no stream spans an idle engine's pause
             chunk_share[i] = 0.0
             return
         busy[i] = True
@@ -337,17 +338,13 @@ def simulate(
             done = engines[i].finish_step(now, duration, chunks)
             if gw.chunk_gaps:
                 key = pods[i].key
-                if per_event == 1:
-                    if decoded:
-                        pool.observe_chunk_gap(key, duration, decoded)
-                else:
-                    ends = step_ends[i]
-                    ends.append(now)
-                    chunk_share[i] += decoded / per_event
-                    sent = int(chunk_share[i])
-                    chunk_share[i] -= sent
-                    if sent and len(ends) > per_event:
-                        pool.observe_chunk_gap(key, now - ends[0], sent)
+                steps = spanned[i]
+                steps.append(duration)
+                chunk_share[i] += decoded / per_event
+                sent = int(chunk_share[i])
+                chunk_share[i] -= sent
+                if sent and len(steps) == per_event:
+                    pool.observe_chunk_gap(key, sum(steps), sent)
                 for seq, _ in chunks:
                     if seq.first_token_at == now:  # its first chunk: it streams from here
                         pool.stream_started(key, seq.prompt_tokens)
