@@ -155,9 +155,18 @@ def test_cell_lookup_by_log2_signature() -> None:
     assert profile.cell(180, 11) == (1, 0)  # log2 11 = 3.46: nearer 8; 180: nearer 128
     assert profile.cell(182, 12) == (2, 1)  # log2 12 = 3.58: nearer 16; 182: nearer 256
     assert profile.cell(128, 22) == (2, 0)  # 22 is within half a doubling above 16
-    assert profile.cell(128, 23) is None  # beyond it
-    # 128 / sqrt(2) = 90.5: 91 is within half a doubling below the first input tick, 90 is not.
-    assert profile.cell(91, 4) == (0, 0) and profile.cell(90, 4) is None
+    assert profile.above_grid(128, 22) == ()
+    # Beyond it: the border cell, said to be a guess for that axis.
+    assert profile.cell(128, 23) == (2, 0) and profile.above_grid(128, 23) == ("output",)
+    # 256 x sqrt(2) = 362.04: 362 is within half a doubling above the last input tick, 363 not.
+    assert profile.above_grid(362, 4) == () and profile.above_grid(363, 4) == ("input",)
+    assert profile.cell(100_000, 1_000) == (2, 1)
+    assert profile.above_grid(100_000, 1_000) == ("output", "input")
+    # Below the grid: the smallest tick (no request is harder than the smallest cell), not a
+    # guess: 128 / sqrt(2) = 90.5, and 3 prompt tokens or none at all land on 128 too.
+    for prompt, output in ((91, 4), (90, 4), (3, 1), (0, 0)):
+        assert profile.cell(prompt, output) == (0, 0)
+        assert profile.above_grid(prompt, output) == ()
 
 
 def test_profile_key_is_aibrix_s() -> None:

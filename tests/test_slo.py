@@ -4,10 +4,13 @@ strategies and the gateway queue, with a hand-driven clock and no sockets."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+import orjson
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -17,16 +20,21 @@ from prometheus_client.registry import Collector
 from plugin.adapters.http import queue_families
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
-from plugin.core.profile import GpuProfile, ProfileBook, profile_key
+from plugin.core.profile import GpuProfile, ProfileBook, parse_profile, profile_key
+from plugin.core.request import parse_request
 from plugin.core.router import WAIT_BUCKETS_S, Decision, Router, Waiter, WaitStats
+from plugin.core.selector import parse_selector
 from plugin.core.strategies import OutputHistory, SloSettings, Strategy, build_strategies
 from plugin.core.strategies.slo import fit
 from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
 from plugin.errors import QueueFull, RoutingFailed, ShuttingDown
+from tests.helpers import chat_body
 
 pytestmark = pytest.mark.unit  # the metrics test renders text, no sockets
 
 MODEL = "m"
+SLO_STRATEGIES = ("slo", "slo-least-load-pulling", "slo-least-load", "slo-pack-load")
+AIBRIX_A100 = "simulator-llama2-7b-a100.json"  # in the shared data's aibrix-profiles
 
 
 @dataclass
@@ -53,13 +61,27 @@ def grid_profile(gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0) -> Gpu
     )
 
 
-def pod(name: str, deployment: str | None) -> Pod:
-    return Pod(name, "ns", MODEL, "10.0.0.1", 8000 + len(name), 8000, deployment=deployment)
+def pod(name: str, deployment: str | None, model: str = MODEL) -> Pod:
+    return Pod(
+        name,
+        "ns",
+        model,
+        "10.0.0.1",
+        8000 + len(name),
+        8000,
+        labels={"gpu": deployment or ""},
+        deployment=deployment,
+    )
 
 
 def setup(
-    *pods: Pod, default: str = "least-request", max_wait_s: float = 30.0
+    *pods: Pod,
+    default: str = "least-request",
+    max_wait_s: float = 30.0,
+    profiles: Mapping[str, GpuProfile] | None = None,
 ) -> tuple[Router, PodPool, Clock, ProfileBook]:
+    """A router over `pods` with the profiles `fast` and `slow` of `grid_profile`, or with
+    `profiles` (by profile key) instead."""
     clock = Clock()
     pool = PodPool(CapacityEstimator())
     book = ProfileBook()
@@ -68,6 +90,8 @@ def setup(
             profile_key(MODEL, "fast"): grid_profile("fast", tput=10.0, e2e=1.0),  # 0.1 each
             profile_key(MODEL, "slow"): grid_profile("slow", tput=2.0, e2e=1.0),  # 0.5 each
         }
+        if profiles is None
+        else profiles
     )
     pool.use_profiles(book)
     pool.set_pods(pods)
@@ -106,30 +130,34 @@ def test_fit_consumption_and_slack() -> None:
     c = Candidate(pod("a", "fast"), 0, None, None, None)
     profile = grid_profile("fast", tput=10.0, e2e=0.5)
     f = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128), 4)
-    assert f is not None and f.consumption == pytest.approx(0.2) and f.slack_s == 4.5
+    assert f.consumption == pytest.approx(0.2) and f.slack_s == 4.5
     never = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128), 512)
-    assert never is not None and never.consumption == float("inf")
-    assert fit(c, profile, RequestInfo(MODEL, prompt_tokens=100_000), 4) is None
+    assert never.consumption == float("inf")
+    # Sizes outside the grid take its edge: below it the smallest cell, above it the border
+    # cell, marked as a guess on that axis.
+    small = fit(c, profile, RequestInfo(MODEL, prompt_tokens=3), 1)
+    assert (small.cell, small.above) == ((0, 0), ()) and small.consumption == pytest.approx(0.2)
+    big = fit(c, profile, RequestInfo(MODEL, prompt_tokens=100_000), 4)
+    assert (big.cell, big.above) == ((0, 0), ("input",))
+    assert big.consumption == pytest.approx(0.2)
 
     # The request's own target wins over the profile's: waiting does not change TPOT, so a TPOT
     # the profile meets (0.5 s / 4 tokens) leaves only the gateway's bound, one it misses none.
     def slack(target: SloTarget) -> float:
-        f = fit(c, profile, RequestInfo(MODEL, prompt_tokens=128, slo=target), 4)
-        assert f is not None
-        return f.slack_s
+        return fit(c, profile, RequestInfo(MODEL, prompt_tokens=128, slo=target), 4).slack_s
 
     assert slack(SloTarget(tpot_s=0.2)) == float("inf")
     assert slack(SloTarget(tpot_s=0.1)) == float("-inf")
     assert slack(SloTarget(ttft_s=0.3)) == pytest.approx(0.3 - 0.05)  # the profile's TTFT grid
     tpat = GpuProfile("t", 1.0, (4,), (128,), ((10.0,),), 0.0, ((0.5,),), slos={"tpat": 0.01})
     f = fit(c, tpat, RequestInfo(MODEL, prompt_tokens=128), 4)
-    assert f is not None and f.slack_s == pytest.approx((0.01 - 0.5 / 132) * 132)
+    assert f.slack_s == pytest.approx((0.01 - 0.5 / 132) * 132)
 
     # A profile built for several SLOs: the request may wait only while all hold. TPOT (met, and
     # waiting does not change it) would allow any wait; the TTFT left (0.3 - 0.05) decides.
     both = dataclasses.replace(profile, slos={"tpot": 0.2, "ttft": 0.3})
     f = fit(c, both, RequestInfo(MODEL, prompt_tokens=128), 4)
-    assert f is not None and f.slack_s == pytest.approx(0.25)
+    assert f.slack_s == pytest.approx(0.25)
 
 
 def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
@@ -354,3 +382,101 @@ def test_a_woken_request_skips_a_gpu_type_its_wait_has_ruled_out() -> None:
     on_fast = next(d for d in leases if isinstance(d, Decision) and d.lease.pod.name == "f")
     on_fast.lease.release()
     assert held.done and held.result().lease.pod.name == "f"
+
+
+# --- sizes outside a profile's grid --------------------------------------------------------------
+
+
+def aibrix_a100(profile_dir: Path) -> GpuProfile:
+    """AIBrix's sample A100 profile: outputs 4..512, inputs 128..2048, p99 E2E under 5 s."""
+    return parse_profile(json.loads((profile_dir / AIBRIX_A100).read_text()))
+
+
+def admit_by(router: Router, request: RequestInfo, name: str, path: str) -> Decision:
+    """Admit under strategy `name`, from the pool's view (`path` "view": the grouped index) or
+    from a plain list (an `external-filter` selecting every pod makes the router pass one)."""
+    if path == "list":
+        request = dataclasses.replace(request, pod_selector=parse_selector("gpu"))
+    decision = router.admit(request, strategy(router, name))
+    assert isinstance(decision, Decision)
+    return decision
+
+
+@pytest.mark.parametrize("path", ["view", "list"])
+@pytest.mark.parametrize("name", SLO_STRATEGIES)
+def test_a_prompt_below_the_grid_routes_at_the_smallest_cell(
+    profile_dir: Path, name: str, path: str
+) -> None:
+    """AIBrix's A100 profile starts its inputs at 128 tokens: a chat request of 3 prompt tokens
+    is routed at the smallest cell (no request is harder than it), not refused with 503, under
+    every SLO strategy; it is no guess, so nothing is counted."""
+    a100 = aibrix_a100(profile_dir)
+    router, _, clock, _ = setup(
+        pod("a", "a100"), pod("bb", "a100"), profiles={profile_key(MODEL, "a100"): a100}
+    )
+    request = parse_request(orjson.dumps(chat_body(MODEL)), "r", arrived_at=clock.t)
+    assert (request.prompt_tokens, request.max_tokens) == (3, None)
+    decision = admit_by(router, request, name, path)
+    assert decision.profiled is not None
+    assert (decision.profiled.cell, decision.profiled.above) == ((0, 0), ())
+    assert decision.expected_e2e_s == pytest.approx(a100.e2e[0][0] if a100.e2e else 0.0)
+    assert router.beyond.counts == {}
+
+
+@pytest.mark.parametrize("path", ["view", "list"])
+@pytest.mark.parametrize("name", SLO_STRATEGIES)
+def test_a_size_above_the_grid_routes_at_the_border_cell_and_is_counted(
+    profile_dir: Path, name: str, path: str
+) -> None:
+    """A 5000-token prompt lies more than half a doubling above the largest input tick (2048):
+    it is routed at the border cell (a guess, not a refusal) and counted on the input axis."""
+    a100 = aibrix_a100(profile_dir)
+    router, _, clock, _ = setup(
+        pod("a", "a100"), pod("bb", "a100"), profiles={profile_key(MODEL, "a100"): a100}
+    )
+    for _ in range(3):
+        decision = admit_by(router, req(clock, prompt_tokens=5000), name, path)
+        assert decision.profiled is not None
+        assert (decision.profiled.cell, decision.profiled.above) == ((0, 4), ("input",))
+    assert router.beyond.counts == {(MODEL, "input"): 3}
+
+
+def test_a_size_above_the_grid_where_the_border_cell_never_meets_the_slo_is_refused(
+    profile_dir: Path,
+) -> None:
+    """The border cell's figures hold for the request as they are: AIBrix's A100 meets the SLO
+    at no 512-token output, so a 1000-token answer is refused at once, and not counted."""
+    router, _, clock, _ = setup(
+        pod("a", "a100"), profiles={profile_key(MODEL, "a100"): aibrix_a100(profile_dir)}
+    )
+    with pytest.raises(RoutingFailed, match="no GPU type"):
+        router.admit(req(clock, max_tokens=1000), strategy(router, "slo"))
+    assert router.beyond.counts == {}
+
+
+def test_a_model_beyond_its_grid_is_warned_of_once() -> None:
+    """One warning per model, naming it, the size and the grid's largest ticks; every request
+    beyond the grid is counted, on each axis it exceeds."""
+    small = GpuProfile("g", 1.0, (4, 8), (128,), ((10.0,), (10.0,)), 0.0, ((0.5,), (0.5,)))
+    router, _, clock, _ = setup(
+        pod("a", "g"),
+        pod("b", "g", model="other"),
+        profiles={profile_key(MODEL, "g"): small, profile_key("other", "g"): small},
+    )
+    warnings: list[str] = []
+    router.on_warning = warnings.append
+    for name in SLO_STRATEGIES:
+        # Below the grid's inputs and within its outputs, then above it on both axes.
+        for prompt, output in ((64, 4), (1000, 1000)):
+            request = req(clock, prompt_tokens=prompt, max_tokens=output)
+            assert isinstance(router.admit(request, strategy(router, name)), Decision)
+    assert router.beyond.counts == {(MODEL, "output"): 4, (MODEL, "input"): 4}
+    (warning,) = warnings
+    assert f"{MODEL}: a request of 1000 prompt and about 1000 output tokens" in warning
+    assert "largest ticks: 8 output, 128 input tokens" in warning
+    other = req(clock, prompt_tokens=5000, max_tokens=4)
+    assert isinstance(
+        router.admit(dataclasses.replace(other, model="other"), strategy(router, "slo")), Decision
+    )
+    assert len(warnings) == 2 and warnings[1].startswith("other: a request of 5000 prompt")
+    assert router.beyond.counts[("other", "input")] == 1

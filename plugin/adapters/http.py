@@ -22,6 +22,7 @@ from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import DEFAULT_GPU_LABEL
+from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
 from plugin.core.pool import PodPool
 from plugin.core.router import Buckets, PredictionStats, WaitStats
 
@@ -86,6 +87,40 @@ def queue_families(
     yield ratio
 
 
+def profile_families(beyond: BeyondGrid, drift: ProfileDrift) -> Iterator[Metric]:
+    """GPU profiles against served traffic (`plugin.core.drift`): requests beyond a profile's
+    grid, and each cell's drift ratio with the requests it rests on."""
+    above = CounterMetricFamily(
+        "hetero_gateway_slo_beyond_profile_requests",
+        "SLO-routed requests whose size lies more than half a doubling above the GPU profile's"
+        " grid, routed at its border cell, by model and axis (input or output; a request above"
+        " both counts on each).",
+        labels=["model", "axis"],
+    )
+    for (model, axis), count in sorted(beyond.counts.items()):
+        above.add_metric([model, axis], count)
+    yield above
+    labels = ["model", "deployment", "cell"]
+    ratio = GaugeMetricFamily(
+        "hetero_gateway_profile_drift_ratio",
+        "Mean actual over mean predicted E2E of the served requests an SLO strategy routed by"
+        " this GPU profile cell (out=<output tick>,in=<input tick>), over about its last 50;"
+        " predicted at the pod's load when routed. Above 2 or below 0.5: sweep again.",
+        labels=labels,
+    )
+    requests = GaugeMetricFamily(
+        "hetero_gateway_profile_drift_requests",
+        "Requests the drift ratio of this GPU profile cell counted since the profile was loaded.",
+        labels=labels,
+    )
+    for (model, deployment, out_tick, in_tick), cell in sorted(drift.cells.items()):
+        values = [model, deployment, cell_label(out_tick, in_tick)]
+        ratio.add_metric(values, cell.ratio)
+        requests.add_metric(values, cell.requests)
+    yield ratio
+    yield requests
+
+
 class GatewayCollector(Collector):
     def __init__(
         self,
@@ -100,8 +135,12 @@ class GatewayCollector(Collector):
         tracing: TracingView | None = None,
         imbalance: Callable[[], Mapping[str, int]] = dict,
         prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
+        beyond: BeyondGrid | None = None,
+        drift: ProfileDrift | None = None,
     ) -> None:
         self._pool = pool
+        self._beyond = beyond
+        self._drift = drift
         self._prefix_cache = prefix_cache
         self._tracing = tracing
         self._imbalance = imbalance
@@ -209,6 +248,8 @@ class GatewayCollector(Collector):
                 yield family
         if self._waits is not None:
             yield from queue_families(self._waits, self._predictions)
+        if self._beyond is not None and self._drift is not None:
+            yield from profile_families(self._beyond, self._drift)
         if self._shared is not None:
             yield GaugeMetricFamily(
                 "hetero_gateway_shared_state_up",
@@ -247,9 +288,11 @@ def debug_pods(
     waiting: Mapping[str, int] | None = None,
     profiles: ProfileLoader | None = None,
     tracing: TracingView | None = None,
+    drift: ProfileDrift | None = None,
 ) -> dict[str, Any]:
     """The pool's snapshot, each pod's GPU type and whether its deployment has a GPU profile,
-    held requests, the shared-state and tracing status and the profiles known."""
+    held requests, the shared-state and tracing status, the profiles known and how their
+    cells compare with served traffic."""
     doc = pool.snapshot(now)
     for entry in doc["pods"].values():
         entry["gpu"] = entry["labels"].get(gpu_label)
@@ -261,6 +304,7 @@ def debug_pods(
     doc["shared_state"] = {"mode": "off"} if shared is None else shared.status()
     doc["profiles"] = {"source": "none"} if profiles is None else profiles.status()
     doc["tracing"] = {"mode": "off"} if tracing is None else tracing.status()
+    doc["profile_drift"] = {} if drift is None else drift.snapshot()
     return doc
 
 
@@ -280,6 +324,8 @@ def build_app(
     tracing: TracingView | None = None,
     imbalance: Callable[[], Mapping[str, int]] = dict,
     prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
+    beyond: BeyondGrid | None = None,
+    drift: ProfileDrift | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(
@@ -295,6 +341,8 @@ def build_app(
             tracing,
             imbalance,
             prefix_cache,
+            beyond,
+            drift,
         )
     )
 
@@ -318,7 +366,7 @@ def build_app(
     async def pods(_: web.Request) -> web.Response:
         return web.Response(
             body=orjson.dumps(
-                debug_pods(pool, clock(), shared, gpu_label, waiting(), profiles, tracing)
+                debug_pods(pool, clock(), shared, gpu_label, waiting(), profiles, tracing, drift)
             ),
             content_type="application/json",
         )

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("hetero_gateway")
 
 
+def _log_warning(message: str) -> None:
+    log.warning("%s", message)
+
+
 class MergedSource:
     """Several pod sources as one (Kubernetes discovery of several namespaces).
 
@@ -137,6 +141,9 @@ class Gateway:
             auto_blend=settings.auto_blend,
             gate=None if settings.imbalance is None else ImbalanceGate(settings.imbalance),
         )
+        # What the core says an operator should hear (a request beyond a GPU profile's grid, a
+        # profile cell off from served traffic), logged here: the core does no I/O.
+        self.router.on_warning = _log_warning
         # Request traces for the GPU optimizer: counted on the request path, written to Redis
         # every 10 s by a background task (the flag without Redis stops start-up in config).
         self.tracer: TraceFlusher | None = None
@@ -257,6 +264,8 @@ class Gateway:
             waits=self.router.waits,
             predictions=self.router.predictions,
             tracing=self.tracer,
+            beyond=self.router.beyond,
+            drift=self.router.drift,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -6,7 +6,16 @@ ticks]]`), the highest request rate the deployment served within the SLO it was 
 that rate (`e2e`, seconds) and, when a TTFT SLO was set, the mean TTFT (`ttft`). `slos` records
 how it was built (`percentile` and each SLO set, by AIBrix's argument names: `e2e`, `ttft`,
 `tpot`, `tpat`, `tput`, `tt`). Older AIBrix profiles have neither `e2e` nor `slos`; they load
-with those empty.
+with those empty. This project's profiles may also carry `e2e_idle` (same [out][in] shape: the
+mean E2E of the cell's requests on an otherwise idle replica), written after AIBrix's keys,
+which AIBrix's readers ignore: with it the E2E a request should take is interpolated between
+idle and the profile's load (`GpuProfile.e2e_at`).
+
+A request's size maps to the cell whose ticks are nearest in log2 (`GpuProfile.cell`), clamped
+to the grid: a size below the grid takes the smallest tick (a request is never harder than the
+smallest cell), a size above it the border cell, which says nothing sure of it (`above_grid`
+tells which axes lie more than half a doubling beyond the largest tick; the gateway counts
+such requests).
 
 Pure data and arithmetic: `plugin_tools.profile` builds profiles, the gateway loads them.
 """
@@ -21,7 +30,16 @@ from typing import Any
 
 from plugin.errors import ConfigError
 
-__all__ = ["SLO_NAMES", "GpuProfile", "ProfileBook", "nearest_tick", "parse_profile", "profile_key"]
+__all__ = [
+    "SLO_NAMES",
+    "GpuProfile",
+    "ProfileBook",
+    "ProfiledRoute",
+    "beyond_grid",
+    "nearest_tick",
+    "parse_profile",
+    "profile_key",
+]
 
 # AIBrix's SLO argument names, in the order its profile builder applies them.
 SLO_NAMES = ("tput", "tt", "e2e", "ttft", "tpat", "tpot")
@@ -48,9 +66,12 @@ class GpuProfile:
     ttft: Grid | None = None  # [out][in] mean TTFT seconds, when a TTFT SLO was set
     percentile: int = 0  # 0: the SLOs were checked against means
     slos: Mapping[str, float] = field(default_factory=dict)
+    # [out][in] mean end-to-end seconds of the cell's requests on an otherwise idle replica
+    # (this project's key, not AIBrix's; None: not measured).
+    e2e_idle: Grid | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The document AIBrix writes (same keys, same order)."""
+        """The document AIBrix writes (same keys, same order), then `e2e_idle` when known."""
         doc: dict[str, Any] = {
             "gpu": self.gpu,
             "cost": self.cost,
@@ -63,14 +84,45 @@ class GpuProfile:
         if self.ttft is not None:
             doc["ttft"] = [list(row) for row in self.ttft]
         doc["slos"] = {"percentile": self.percentile, **self.slos}
+        if self.e2e_idle is not None:  # after AIBrix's keys; its readers ignore it
+            doc["e2e_idle"] = [list(row) for row in self.e2e_idle]
         return doc
 
-    def cell(self, input_tokens: int, output_tokens: int) -> tuple[int, int] | None:
-        """The (out, in) cell whose ticks are nearest in log2 to the request's sizes, or None
-        when either size lies more than half a doubling outside the grid."""
-        i = _nearest(self.out_ticks, output_tokens)
-        j = _nearest(self.in_ticks, input_tokens)
-        return None if i is None or j is None else (i, j)
+    def cell(self, input_tokens: int, output_tokens: int) -> tuple[int, int]:
+        """The (out, in) cell whose ticks are nearest in log2 to the request's sizes, clamped to
+        the grid: a size below it takes the smallest tick (never harder than the smallest cell),
+        a size above it the border cell (`above_grid` says when that is a guess)."""
+        return _nearest(self.out_ticks, output_tokens), _nearest(self.in_ticks, input_tokens)
+
+    def above_grid(self, input_tokens: int, output_tokens: int) -> tuple[str, ...]:
+        """The axes (`"output"`, `"input"`) on which the sizes lie more than half a doubling
+        above the grid's largest tick: the border cell `cell` gives them describes smaller
+        requests. Empty for a size within the grid or below it."""
+        out = output_tokens > self.out_ticks[-1] and beyond_grid(self.out_ticks, output_tokens)
+        inp = input_tokens > self.in_ticks[-1] and beyond_grid(self.in_ticks, input_tokens)
+        if out:
+            return _BOTH if inp else _OUTPUT
+        return _INPUT if inp else ()
+
+    def e2e_at(self, cell: tuple[int, int], load: float) -> float | None:
+        """The cell's mean E2E (seconds) at a replica `load` (its SLO load, 1.0 full; clamped
+        to [0, 1]): `e2e_idle + (e2e - e2e_idle) x load` where the profile has an idle E2E for
+        the cell, else `e2e` (the load the profile ran at); None without a positive `e2e`."""
+        i, j = cell
+        e2e = self.e2e[i][j] if self.e2e is not None else math.nan
+        if not (e2e > 0 and math.isfinite(e2e)):
+            return None
+        idle = self.idle_e2e(cell)
+        if idle is None:
+            return e2e
+        return idle + (e2e - idle) * min(max(load, 0.0), 1.0)
+
+    def idle_e2e(self, cell: tuple[int, int]) -> float | None:
+        """The cell's mean E2E on an idle replica (seconds), None where not measured."""
+        if self.e2e_idle is None:
+            return None
+        idle = self.e2e_idle[cell[0]][cell[1]]
+        return idle if idle > 0 and math.isfinite(idle) else None
 
     def clamped_cell(self, input_tokens: float, output_tokens: float) -> tuple[int, int]:
         """The (out, in) cell nearest in log2, clamped to the grid at both ends (AIBrix's
@@ -78,6 +130,25 @@ class GpuProfile:
         return nearest_tick(self.out_ticks, output_tokens), nearest_tick(
             self.in_ticks, input_tokens
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ProfiledRoute:
+    """A request routed by a GPU profile: where it sits in the profile and what the profile
+    predicts for it, so the gateway can check the profile against what the request then takes
+    (`plugin.core.drift`) and count sizes the profile does not cover."""
+
+    profile: GpuProfile  # the profile of the pod's deployment
+    cell: tuple[int, int]  # (out, in) indexes into its grid
+    output_tokens: int  # the output size the strategy assumed (the prompt's is the request's)
+    load: float  # the pod's SLO load with this request, when it was routed (1.0: full)
+    e2e_s: float | None  # the profile's E2E at that load (`GpuProfile.e2e_at`); None: no E2E
+    above: tuple[str, ...] = ()  # axes on which the request lies above the grid
+
+    @property
+    def ticks(self) -> tuple[int, int]:
+        """The cell as (output tick, input tick)."""
+        return self.profile.out_ticks[self.cell[0]], self.profile.in_ticks[self.cell[1]]
 
 
 def nearest_tick(ticks: Sequence[int], tokens: float) -> int:
@@ -89,19 +160,22 @@ def nearest_tick(ticks: Sequence[int], tokens: float) -> int:
     return min(range(len(ticks)), key=lambda k: (abs(math.log2(ticks[k]) - x), -k))
 
 
+_OUTPUT = ("output",)
+_INPUT = ("input",)
+_BOTH = ("output", "input")
+
+
+def beyond_grid(ticks: Sequence[int], tokens: float) -> bool:
+    """Whether `tokens` lies more than half a doubling above the largest tick (the nearest
+    tick in log2 is then the last one only by clamping)."""
+    return math.log2(max(tokens, 1.0)) > math.log2(ticks[-1]) + 0.5
+
+
 @functools.lru_cache(maxsize=4096)
-def _nearest(ticks: tuple[int, ...], tokens: int) -> int | None:
-    """Index of the tick nearest in log2, or None more than half a doubling outside the grid.
-
-    Cached: SLO routing asks it for every deployment on every request, and a fleet sees few
-    distinct (grid, size) pairs."""
-    k = nearest_tick(ticks, tokens)
-    x = math.log2(max(tokens, 1))
-    return k if abs(math.log2(ticks[k]) - x) <= 0.5 or _inside(ticks, x) else None
-
-
-def _inside(ticks: Sequence[int], x: float) -> bool:
-    return bool(ticks) and math.log2(ticks[0]) <= x <= math.log2(ticks[-1])
+def _nearest(ticks: tuple[int, ...], tokens: int) -> int:
+    """`nearest_tick`, cached: SLO routing asks it for every deployment on every request, and a
+    fleet sees few distinct (grid, size) pairs."""
+    return nearest_tick(ticks, tokens)
 
 
 def _grid(value: Any, rows: int, cols: int, what: str) -> Grid:
@@ -160,6 +234,7 @@ def parse_profile(doc: Any) -> GpuProfile:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"profile: slos.{name} must be a number")
             slos[name] = float(value)
+    idle = doc.get("e2e_idle")  # this project's key (AIBrix's readers ignore it)
     return GpuProfile(
         gpu=gpu,
         cost=float(cost),
@@ -171,6 +246,7 @@ def parse_profile(doc: Any) -> GpuProfile:
         ttft=_grid(doc["ttft"], rows, cols, "ttft") if "ttft" in doc else None,
         percentile=int(percentile),
         slos=slos,
+        e2e_idle=None if idle is None else _grid(idle, rows, cols, "e2e_idle"),
     )
 
 

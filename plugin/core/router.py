@@ -12,7 +12,9 @@ If the owner goes away first (the client cancelled), `cancel()` takes the waiter
 queue and gives back a lease it was granted but never took: nothing leaks.
 
 The router never sleeps and never reads a clock of its own: time comes from the injected clock,
-and waiting is the adapter's business. `docs/architecture.md` draws the whole path.
+and waiting is the adapter's business. Nor does it log: what an operator should hear (a request
+beyond a GPU profile's grid, a profile cell off from served traffic; `plugin.core.drift`) goes
+to `on_warning`, which the gateway logs. `docs/architecture.md` draws the whole path.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from plugin.core.config_profile import ConfigProfile
+from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.pool import Lease, PodPool
+from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
 from plugin.core.strategies.base import Admission
 from plugin.core.strategies.gate import Gated, ImbalanceGate
@@ -92,6 +96,8 @@ class WaitStats:
 class PredictionStats:
     """How a request's end-to-end latency compared with its GPU profile's prediction: actual /
     predicted, per deployment, for requests an SLO strategy routed and an engine served (200).
+    The prediction is the cell's E2E at the pod's load when the request was routed
+    (`GpuProfile.e2e_at`); per cell, `plugin.core.drift` keeps the same comparison.
 
     Actual runs from the routing decision (after any wait at the gateway) to the end of the
     response, so it measures the profile, not the queue (the wait histogram has that).
@@ -118,6 +124,7 @@ class Decision:
     request: RequestInfo
     routed_at: float = 0.0
     expected_e2e_s: float | None = None  # the profile's prediction, when a strategy made one
+    profiled: ProfiledRoute | None = None  # where it sits in its GPU profile (SLO strategies)
 
 
 class Waiter:
@@ -184,6 +191,10 @@ class Waiter:
 
 
 def _nothing() -> None:
+    return None
+
+
+def _unheard(message: str) -> None:
     return None
 
 
@@ -277,9 +288,12 @@ class Router:
         "_table",
         "_waiting",
         "_waking",
+        "beyond",
+        "drift",
         "gate",
         "history",
         "max_waiting",
+        "on_warning",
         "pool",
         "predictions",
         "waits",
@@ -317,6 +331,11 @@ class Router:
         self.max_waiting = max_waiting  # per model; a request beyond is rejected (QueueFull)
         self.waits = WaitStats()
         self.predictions = PredictionStats()
+        # GPU profiles against traffic: requests beyond a grid, cells off from what they served.
+        self.beyond = BeyondGrid()
+        self.drift = ProfileDrift()
+        # Told what an operator should hear (the gateway logs it as a WARNING); set by the owner.
+        self.on_warning: Callable[[str], None] = _unheard
         pool.on_release = self._on_release
         pool.on_change = self.wake
 
@@ -368,11 +387,31 @@ class Router:
         return next((c.pod for c in view if c.pod.key != chosen.key), None)
 
     def finished(self, decision: Decision, status: int) -> None:
-        """A routed request's response ended: compare its latency with the prediction."""
+        """A routed request's response ended: compare its latency with the prediction (per
+        deployment, and per profile cell: `plugin.core.drift`)."""
         if decision.expected_e2e_s is not None and status == 200:
-            deployment = decision.lease.pod.deployment or ""
+            pod = decision.lease.pod
+            deployment = pod.deployment or ""
             actual = self._clock() - decision.routed_at
             self.predictions.observe(deployment, decision.expected_e2e_s, actual)
+            if decision.profiled is not None:
+                warning = self.drift.observe(pod.model, deployment, decision.profiled, actual)
+                if warning is not None:
+                    self.on_warning(warning)
+
+    def _decided(
+        self, answer: Route, request: RequestInfo, name: str, lease: Lease, now: float
+    ) -> Decision:
+        """The decision for a route taken; a request beyond its profile's grid is counted."""
+        profiled = answer.profiled
+        if profiled is not None and profiled.above:
+            pod = lease.pod
+            warning = self.beyond.observe(
+                pod.model, pod.deployment or "", profiled, request.prompt_tokens
+            )
+            if warning is not None:
+                self.on_warning(warning)
+        return Decision(lease, name, request, now, answer.expected_e2e_s, profiled)
 
     def completed(self, model: str, prompt_tokens: int, output_tokens: int, status: int) -> None:
         """A response ended: a successful one teaches the output-length history."""
@@ -461,7 +500,7 @@ class Router:
         if type(answer) is Route:
             lease = self.pool.acquire(answer.candidate.pod, answer.load, request.prompt_tokens)
             _tell_routed(strategy, answer.candidate, request)
-            return Decision(lease, asked.name, request, now, answer.expected_e2e_s)
+            return self._decided(answer, request, asked.name, lease, now)
         if type(answer) is Reject:
             raise answer.error
         if type(answer) is Wait:
@@ -565,7 +604,7 @@ class Router:
                 answer.candidate.pod, answer.load, waiter.request.prompt_tokens
             )
             _tell_routed(strategy, answer.candidate, waiter.request)
-            decision = Decision(lease, strategy.name, waiter.request, now, answer.expected_e2e_s)
+            decision = self._decided(answer, waiter.request, strategy.name, lease, now)
             self._settled(waiter, decision, None)
         elif type(answer) is Reject:
             self._forget(waiter)

@@ -27,13 +27,12 @@ AIBrix does, whatever its namespace.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from plugin.core.optimizer import Candidate, Problem
-from plugin.core.profile import GpuProfile
+from plugin.core.profile import GpuProfile, beyond_grid
 
 __all__ = [
     "Deployment",
@@ -125,10 +124,6 @@ def traffic(
     return Traffic(cells, arrivals, completions, found, span)
 
 
-def _beyond(ticks: Sequence[int], tokens: float) -> bool:
-    return math.log2(max(tokens, 1.0)) > math.log2(ticks[-1]) + 0.5
-
-
 @dataclass(frozen=True, slots=True)
 class ModelProblem:
     """The solver's problem for one model, with what it was built from (for /debug/plan)."""
@@ -165,7 +160,8 @@ def build_problem(
         )
         groups.setdefault(key, []).append(cell)
         if any(
-            _beyond(p.out_ticks, cell.output_tokens) or _beyond(p.in_ticks, cell.input_tokens)
+            beyond_grid(p.out_ticks, cell.output_tokens)
+            or beyond_grid(p.in_ticks, cell.input_tokens)
             for p in (profiles[d.name] for d in profiled)
         ):
             beyond += cell.rate

@@ -213,9 +213,9 @@ def deadline_s(bench: SloBench, profiles: Mapping[str, GpuProfile], cls: Request
     prompt = DEFAULT_TOKENIZER.count(prompt_text(cls.prompt_words))
     expected = []
     for p in profiles.values():
-        cell = p.cell(prompt, cls.output_tokens)
-        if cell is not None and p.tputs[cell[0]][cell[1]] > 0 and p.ttft is not None:
-            expected.append(p.ttft[cell[0]][cell[1]])
+        i, j = p.cell(prompt, cls.output_tokens)  # clamped to the grid, as the gateway does
+        if p.tputs[i][j] > 0 and p.ttft is not None:
+            expected.append(p.ttft[i][j])
     slack = bench.ttft_slo_s - min(expected) if expected else 0.0
     return max(0.0, min(slack, bench.max_wait_ms / 1000.0))
 

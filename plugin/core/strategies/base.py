@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from plugin.core.profile import ProfiledRoute
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import RequestError, RoutingFailed
 
@@ -52,6 +53,9 @@ class Route:
     # The request's end-to-end latency on this pod as its GPU profile predicts it (seconds), for
     # strategies that predict one; the gateway compares it with what the request then took.
     expected_e2e_s: float | None = None
+    # Where the request sits in the pod's GPU profile (strategies that route by one): the
+    # gateway checks the profile's cell against served traffic and counts sizes beyond its grid.
+    profiled: ProfiledRoute | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,12 @@ For one request and one pod:
   bucket among completions with the same log2 input bucket in the last 240 s, else among all of
   them), capped by `max_tokens`; with no history, `max_tokens`; with neither, the profiles'
   smallest output tick (the shortest answer they describe).
-- **Cell.** The profile of the pod's deployment (`Candidate.profile`), the cell nearest in log2.
+- **Cell.** The profile of the pod's deployment (`Candidate.profile`), the cell nearest in log2,
+  clamped to the grid (`GpuProfile.cell`): a size below the grid (a 3-token prompt against
+  ticks from 128) takes the smallest tick, as a request is never harder than the smallest cell;
+  a size above it takes the border cell, a guess rather than a refusal, and the route says so
+  (`ProfiledRoute.above`: the router counts such requests per model and axis and warns once per
+  model). This holds in every strategy of the family, on a list and on the view's groups.
 - **Consumption.** A request uses `1 / (tputs x e2e)` of a pod (Little's law: `tputs x e2e` is
   how many such requests the pod serves at once within the SLO); a pod is full at 1.0, and an
   idle pod always has room (a consumption above 1 only means one request at a time). `tputs`
@@ -19,6 +24,11 @@ For one request and one pod:
   still make all of them (waiting adds to TTFT and E2E, to TPAT over its tokens, and not to
   TPOT). AIBrix takes the first SLO in that order; with TPOT first a request could then wait out
   its TTFT, so the least slack over all of them decides here.
+- **Prediction.** A route carries where the request sits in the profile (`ProfiledRoute`) and the
+  E2E the profile predicts for it at the pod's SLO load with the request
+  (`GpuProfile.e2e_at`: between the cell's idle E2E and its loaded one where the profile has
+  `e2e_idle`, else the loaded one); the router compares it with what the request then takes
+  (`plugin.core.drift`).
 
 Strategies (never blended with others):
 
@@ -29,9 +39,10 @@ Strategies (never blended with others):
 - `slo-pack-load`: the fullest pod that still has room (fewer pods busy); with none, the least
   loaded, as `slo-least-load`.
 
-A request no GPU type can serve within its SLO (every profiled pod at `tputs` 0) is rejected at
-once. Pods without a profile are not candidates while some pod of the model has one; a model
-with none at all is routed by the gateway's default strategy (the router does that).
+A request no GPU type can serve within its SLO (every profiled pod at `tputs` 0 in its cell, the
+border cell for a size above the grid) is rejected at once. Pods without a profile are not
+candidates while some pod of the model has one; a model with none at all is routed by the
+gateway's default strategy (the router does that).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.core.profile import GpuProfile
+from plugin.core.profile import GpuProfile, ProfiledRoute
 from plugin.core.strategies.base import (
     Admission,
     Reject,
@@ -142,28 +153,40 @@ class SloFit:
     consumption: float  # share of the pod the request takes; inf: never within the SLO
     slack_s: float  # how long it may wait and still make its SLO (inf: only the gateway's bound)
     expected_e2e_s: float | None = None  # the profile's E2E for the cell (None: not in it)
+    cell: tuple[int, int] = (0, 0)  # (out, in) in the profile's grid
+    above: tuple[str, ...] = ()  # axes on which the request lies above the grid
 
 
 def _slack_s(
-    profile: GpuProfile, cell: tuple[int, int], request: RequestInfo, prompt: int, output: int
+    profile: GpuProfile,
+    cell: tuple[int, int],
+    request: RequestInfo,
+    prompt: int,
+    output: int,
+    e2e: float,
 ) -> float:
-    """How long the request may still wait at the gateway and meet its SLO (seconds).
+    """How long the request may still wait at the gateway and meet its SLO (seconds), given the
+    E2E the profile expects for it on the pod (`e2e`, at the pod's load: `GpuProfile.e2e_at`).
 
     The SLO is the request's own TPOT and TTFT targets if it sends one, else every latency SLO
     the profile was built for; the slack is the least over them, so a request waits only while
     all can still be met. Waiting adds to TTFT and E2E one for one, and to TPAT spread over the
     request's tokens; it does not change TPOT, so a TPOT the profile meets leaves only the
-    gateway's own bound (and one it misses cannot be met at all).
+    gateway's own bound (and one it misses cannot be met at all). The profile's own TPOT target
+    is met wherever `tputs` > 0 (that is what the sweep judged); a request's own is checked
+    against the profile's per-request TPOT, (E2E - TTFT) / (output - 1).
     """
     i, j = cell
-    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
     ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
     slo = request.slo
     own = slo is not None and (slo.ttft_s is not None or slo.tpot_s is not None)
     target = slo if own and slo is not None else SloTarget.from_slos(profile.slos)
     slacks = [math.inf]  # a profile without SLOs (the older format): no deadline of its own
-    if target.tpot_s is not None:
-        expected = e2e / max(output, 1)
+    if own and target.tpot_s is not None:
+        if math.isfinite(ttft) and output > 1:
+            expected = (e2e - ttft) / (output - 1)
+        else:
+            expected = e2e / max(output, 1)
         slacks.append(math.inf if not expected > target.tpot_s else -math.inf)  # NaN: unknown
     if target.ttft_s is not None:
         slacks.append(target.ttft_s - ttft if math.isfinite(ttft) else target.ttft_s)
@@ -177,20 +200,37 @@ def _slack_s(
 
 def fit(
     candidate: Candidate, profile: GpuProfile, request: RequestInfo, output_tokens: int
-) -> SloFit | None:
-    """The request on this pod, or None when its size lies outside the profile's grid."""
-    cell = profile.cell(request.prompt_tokens, output_tokens)
-    if cell is None:
-        return None
+) -> SloFit:
+    """The request on this pod: its cell (clamped to the grid, `GpuProfile.cell`), the share
+    of the pod it takes and how long it may wait."""
+    prompt = request.prompt_tokens
+    cell = profile.cell(prompt, output_tokens)
+    above = profile.above_grid(prompt, output_tokens)
     i, j = cell
     tput = profile.tputs[i][j]
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
     if tput <= 0:
-        return SloFit(candidate, math.inf, -math.inf)
+        return SloFit(candidate, math.inf, -math.inf, cell=cell, above=above)
     concurrency = tput * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
     consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / tput  # no e2e: 1 s a request
-    slack = _slack_s(profile, cell, request, request.prompt_tokens, output_tokens)
-    return SloFit(candidate, consumption, slack, e2e if e2e > 0 and math.isfinite(e2e) else None)
+    at_load = profile.e2e_at(cell, candidate.load + consumption)
+    slack = _slack_s(
+        profile, cell, request, prompt, output_tokens, math.nan if at_load is None else at_load
+    )
+    expected = e2e if e2e > 0 and math.isfinite(e2e) else None
+    return SloFit(candidate, consumption, slack, expected, cell, above)
+
+
+def _route(chosen: Candidate, best: SloFit, output_tokens: int) -> Route:
+    """Route to `chosen` (a pod of `best`'s deployment, so of its profile), predicting the E2E
+    at the pod's SLO load with this request."""
+    profile = best.candidate.profile
+    if profile is None:  # not reached: only profiled pods are fitted
+        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
+    load = chosen.load + best.consumption
+    e2e = profile.e2e_at(best.cell, load)
+    profiled = ProfiledRoute(profile, best.cell, output_tokens, load, e2e, best.above)
+    return Route(chosen, load=best.consumption, expected_e2e_s=e2e, profiled=profiled)
 
 
 class SloStrategy:
@@ -234,7 +274,7 @@ class SloStrategy:
         if not profiled:  # the router routes such a model by its default strategy
             return Route(_LEAST_REQUEST.pick(candidates, request, rng))
         output = self._output_tokens(request, [p for _, p in profiled])
-        fits = [f for c, p in profiled if (f := fit(c, p, request, output)) is not None]
+        fits = [fit(c, p, request, output) for c, p in profiled]
         choice = self._decide(fits, request, output, now, lambda f: f.candidate.load)
         if not isinstance(choice, _Choice):
             return choice
@@ -242,7 +282,7 @@ class SloStrategy:
         keys = [(sign * f.candidate.load,) for f in choice.fits]
         chosen = random_min([f.candidate for f in choice.fits], keys, rng)
         best = next(f for f in choice.fits if f.candidate is chosen)
-        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
+        return _route(chosen, best, output)
 
     def _admit_grouped(
         self, view: CandidateView, request: RequestInfo, rng: random.Random, now: float
@@ -258,9 +298,7 @@ class SloStrategy:
         profiles = [c.profile for c in firsts.values() if c.profile is not None]
         output = self._output_tokens(request, profiles)
         fits = [
-            f
-            for c in firsts.values()
-            if c.profile is not None and (f := fit(c, c.profile, request, output)) is not None
+            fit(c, c.profile, request, output) for c in firsts.values() if c.profile is not None
         ]
         least = {g: entries[0][0][0] for g, entries in groups.items()}
         choice = self._decide(
@@ -281,7 +319,7 @@ class SloStrategy:
         tied = [(run, f) for run, f in runs if run[1] == best_key]
         chosen = choose_tied([run for run, _ in tied], view.slots, rng)
         best = next(f for _, f in tied if f.candidate.pod.deployment == chosen.pod.deployment)
-        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
+        return _route(chosen, best, output)
 
     def _decide(
         self,
