@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,9 @@ class BenchmarkRow:
     seed: int = 0
     model: str = ""
     samples: int = 0
+    # Keys beyond AIBrix's (its builder reads a fixed list of columns and ignores the rest):
+    # the steady-state sweep's verdicts and the pooled chunk gaps (`plugin_tools.profile.steady`).
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def statistic(self, name: str) -> float:
         return {"mean": self.mean, "P50": self.p50, "P90": self.p90, "P99": self.p99}[name]
@@ -79,7 +82,25 @@ class BenchmarkRow:
         }
         if not math.isnan(self.p50):
             doc.update(P50=self.p50, P90=self.p90, P99=self.p99)
+        doc.update(self.extra)
         return doc
+
+
+_AIBRIX_KEYS = frozenset(
+    [
+        "input_tokens",
+        "output_tokens",
+        "request_rate",
+        "seed",
+        "model",
+        "samples",
+        "metric",
+        "mean",
+        "P50",
+        "P90",
+        "P99",
+    ]
+)
 
 
 def _number(doc: Mapping[str, Any], key: str, where: str) -> float:
@@ -115,6 +136,7 @@ def parse_row(doc: Any, where: str) -> BenchmarkRow:
         seed=int(doc.get("seed", 0)),
         model=str(doc.get("model", "")),
         samples=int(doc.get("samples", 0)),
+        extra={k: v for k, v in doc.items() if k not in _AIBRIX_KEYS},
     )
 
 
