@@ -6,12 +6,13 @@ windows the gateway writes; the optimizer service's own path (`plugin.core.workl
 `build_problem`, `plugin.core.optimizer.solve`) plans replicas of h100, a100 and a10 from them
 and the simulated GPU profiles, priced per hour; the planned fleet then serves the traffic that
 follows under load-balance, least-request and round-robin. Beside it, the cheapest fleet of one
-GPU type alone that serves every cell, under load-balance. It runs twice: with GPU profiles from
-the simulated sweep `hetero-gateway simulate` uses (100 prompts per point), and from a deeper one
-(400), to show how much of the plan's cost is the profile's. Prints the tables and writes the
-`optimizer-plan` section of docs/benchmarks.md.
+GPU type alone that serves every cell, under load-balance, and the cheapest fleet of any mix
+that holds 99% of requests within the SLO, found by search (`cheapest_fleet`). It runs with GPU
+profiles from the steady-state sweep (`profile sweep`'s default) and, to compare, from AIBrix's
+sweep and rule (100 prompts per point). Prints the tables and writes the `optimizer-plan`
+section of docs/benchmarks.md.
 
-    python benchmarks/optimizer_plan.py          # about 2.5 minutes on 2 cores
+    python benchmarks/optimizer_plan.py          # about 30 minutes on 2 cores
 
 Deterministic for the seed (`--seed`); prices are illustrative and overridable (`--price`).
 """
@@ -19,6 +20,7 @@ Deterministic for the seed (`--seed`); prices are illustrative and overridable (
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -33,31 +35,43 @@ from plugin_tools.sim.closed_loop import (
     PRICES,
     SINGLE_STRATEGY,
     STRATEGIES,
+    Cheapest,
     ClosedLoop,
     RatePoint,
+    cheapest_fleet,
     run_closed_loop,
 )
 from plugin_tools.sim.engine import PRESETS
 from plugin_tools.sim.metrics import DEFAULT_SLO
 from plugin_tools.sim.profiles import DEFAULT_RATES, grid_for
 from plugin_tools.sim.sweep import Scenario
-from plugin_tools.sim.workload import CHAT
+from plugin_tools.sim.traces import parse_workload
+from plugin_tools.sim.workload import Arrivals
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+TRACE_DIR = ROOT.parent / "shared" / "data" / "traces"
 SECTION = "optimizer-plan"
 RATES = (0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0)
-PROMPTS = (100, 400)  # requests per point of the simulated profile sweep
+PROFILES = ("steady", "aibrix")  # the simulated sweep's rule (AIBrix's: 100 prompts a point)
+UTILISATION_FROM = 16.0  # req/s: from here whole replicas weigh little against the fleet
 TARGET = 0.99
-BIG = 4  # replicas: a fleet this large is not mostly one idle replica
 LB = "load-balance"
 
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    prompts: int
+    rule: str  # the profiles' sweep: "steady" or "aibrix"
     points: list[RatePoint]
     profile_s: float  # wall seconds to build the profiles
     loop_s: float  # wall seconds for the rates
+    cheapest: dict[float, Cheapest]  # per rate, the searched cheapest fleet (steady run only)
+
+    @property
+    def title(self) -> str:
+        if self.rule == "steady":
+            return "steady-state sweep (the default)"
+        return "AIBrix's sweep and rule, 100 prompts per point"
 
 
 def _money(v: float | None) -> str:
@@ -73,17 +87,22 @@ def _replicas(replicas: dict[str, int], gpus: Sequence[str]) -> str:
 
 
 def table(run: Run, gpus: Sequence[str]) -> list[str]:
+    search = bool(run.cheapest)
     head = (
         f"| req/s | plan: {' / '.join(gpus)} | plan $/h | best single type | its $/h | saving "
         f"| attainment: {' / '.join(STRATEGIES)} | best single type, {SINGLE_STRATEGY} "
         "| fleet utilisation |"
     )
-    lines = [head, "|" + " --- |" * 9]
+    cols = 9
+    if search:
+        head += " cheapest fleet holding 99% (search) | its $/h | plan / cheapest |"
+        cols += 3
+    lines = [head, "|" + " --- |" * cols]
     for p in run.points:
         single = p.single
         saving = p.saving
         mark = "*" if p.plan.infeasible_cells else ""
-        lines.append(
+        line = (
             f"| {p.rate:g} | {_replicas(p.mixed.replicas, gpus)}{mark} | {_money(p.mixed.cost)} "
             f"| {'-' if single is None else f'{sum(single.replicas.values())} x {p.single_gpu}'} "
             f"| {_money(None if single is None else single.cost)} "
@@ -92,22 +111,33 @@ def table(run: Run, gpus: Sequence[str]) -> list[str]:
             f"| {'-' if single is None else _att(single.attainment[SINGLE_STRATEGY])} "
             f"| {p.mixed.utilization[SINGLE_STRATEGY]:.0%} |"
         )
+        if search:
+            found = run.cheapest[p.rate].run
+            if found is None:
+                line += " none found | - | - |"
+            else:
+                ratio = p.mixed.cost / found.cost if found.cost > 0 else math.nan
+                line += f" {_replicas(found.replicas, gpus)} | {_money(found.cost)} | {ratio:.2f} |"
+        lines.append(line)
     return lines
 
 
 def _span(values: Sequence[float], fmt: str) -> str:
+    if not values:
+        return "-"
     lo, hi = min(values), max(values)
     return format(lo, fmt) if lo == hi else f"{format(lo, fmt)} to {format(hi, fmt)}"
 
 
-def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float) -> str:
+def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float, workload: str) -> str:
     s = loop.scenario
     gpus = list(loop.gpus)
     grid = s.sweep_grid()
     prices = ", ".join(f"{g} ${loop.costs[g]:.2f}" for g in gpus)
     slo = " and ".join(f"{k.upper()} <= {v:g} s" for k, v in s.slo.slos().items())
     lines = [
-        "## GPU optimizer in a closed loop: plan cost and SLO attainment in the simulator",
+        "## GPU optimizer in a closed loop: plan cost and SLO attainment in the simulator"
+        + ("" if s.arrivals.kind != "trace" else f", {workload} trace"),
         "",
         f"Generated by `python benchmarks/optimizer_plan.py` ({elapsed_s:.0f} s here, 2-core "
         "machine; deterministic for the seed). For each offered rate, the loop the optimizer "
@@ -119,21 +149,25 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float) -> str:
         "profiles, and a fleet of that many simulated engines serves the requests that follow "
         "(the same seeded stream, so the plan never sees the requests it is judged on) under "
         f"each strategy. Beside it, the best single type: `solve` with one candidate at a time, "
-        f"the cheapest that serves every cell, its fleet run under {SINGLE_STRATEGY}.",
+        f"the cheapest that serves every cell, its fleet run under {SINGLE_STRATEGY}; and the "
+        "cheapest fleet of any mix of the types that keeps 99% of the same requests within the "
+        "SLO under load-balance, found by search (`plugin_tools.sim.closed_loop.cheapest_fleet`: "
+        "fleets in order of price, each simulated, skipping those whose replicas' steady-state "
+        "capacities add up to under 0.85 x the rate or that a failed fleet dominates).",
         "",
         f"- **GPU types and prices** (US$ per replica-hour; illustrative): {prices}. "
         f"Source: {PRICE_SOURCE}. The simulator's engines are models of these GPUs, not "
         "measurements.",
-        f"- **Workload** `{CHAT.name}` (prompts median 40 tokens up to 4k, answers median "
-        f"280 up to 1k), {s.arrivals.kind} arrivals, seed {s.seed}; each run "
+        f"- **Workload** `{workload}` ({_describe(s)}), seed {s.seed}; each run "
         f"{s.warmup_s:.0f} s of warm-up, then {s.measured_requests} measured requests.",
         f"- **SLO** {slo} per request (TPOT: the mean gap after the first token); the profiles "
         f"check it at p{s.profile_percentile}. Headroom {loop.headroom:g}.",
         "- **GPU profiles** from a simulated `profile sweep` per type (one engine alone, Poisson "
-        f"requests of one size per point) over inputs {grid.inputs[0]}..{grid.inputs[-1]}, "
-        f"outputs {grid.outputs[0]}..{grid.outputs[-1]} and rates "
-        f"{grid.rates[0]:g}..{grid.rates[-1]:g} req/s, each doubling, built by `profile "
-        "build`'s rule, `cost` set to the price.",
+        f"requests of one size per probe) over inputs {grid.inputs[0]}..{grid.inputs[-1]} and "
+        f"outputs {grid.outputs[0]}..{grid.outputs[-1]} tokens, each doubling, built by "
+        "`profile build`, `cost` set to the price: the steady-state search (rates "
+        f"{grid.floor:g}..{grid.rates[-1]:g} req/s), and AIBrix's sweep (rates "
+        f"{grid.rates[0]:g}..{grid.rates[-1]:g} doubling, 100 prompts each) with its rule.",
         "- **Columns**: plan = replicas per type; saving = 1 - plan cost / best single type's; "
         "attainment = share of measured requests within the SLO; fleet utilisation = output "
         "tokens/s the plan's fleet delivered under load-balance over its saturated decode "
@@ -141,12 +175,7 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float) -> str:
         "",
     ]
     for run in runs:
-        lines += [
-            f"### Profiles from {run.prompts} prompts per sweep point",
-            "",
-            *table(run, gpus),
-            "",
-        ]
+        lines += [f"### Profiles from the {run.title}", "", *table(run, gpus), ""]
         short = [p for p in run.points if p.plan.infeasible_cells]
         if short:
             lines += [
@@ -157,121 +186,79 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float) -> str:
                     for p in short
                 )
                 + ". The plan reports such cells and leaves them out; the gateway still routes "
-                "their requests and the run counts them. No single type serves them either, so the "
-                "best single type is the cheapest that serves every other cell.",
+                "their requests and the run counts them.",
                 "",
             ]
-    lines += findings(runs, gpus, loop.headroom)
+    lines += findings(runs)
     return "\n".join(lines)
+
+
+def _describe(s: Scenario) -> str:
+    if s.arrivals.kind == "trace":
+        return (
+            "sizes drawn from the trace's rows, arrivals its own gaps rescaled to the rate, "
+            "from a random start"
+        )
+    return f"prompts median 40 tokens up to 4k, answers median 280 up to 1k; {s.arrivals.kind}"
 
 
 def _cells(n: int) -> str:
     return "one cell" if n == 1 else f"{n} cells"
 
 
-def _uncovered(run: Run, gpus: Sequence[str]) -> str:
-    """Per type, the rates at which its profile alone does not serve every traced cell."""
-    parts = []
-    for g in gpus:
-        rates = [p.rate for p in run.points if p.single_costs.get(g) is None]
-        if len(rates) == len(run.points):
-            parts.append(f"the {g} at every rate")
-        elif rates:
-            parts.append(f"the {g} at {', '.join(f'{r:g}' for r in rates)} req/s")
-    return " and ".join(parts)
-
-
-def _big(run: Run) -> list[RatePoint]:
-    """The points whose plan has at least `BIG` replicas (else every point)."""
-    return [p for p in run.points if sum(p.mixed.replicas.values()) >= BIG] or run.points
-
-
-def findings(runs: Sequence[Run], gpus: Sequence[str], headroom: float) -> list[str]:
-    base, *deeper = runs
-    lb = [p.mixed.attainment[LB] for r in runs for p in r.points]
-    lr = [p.mixed.attainment["least-request"] for r in runs for p in r.points]
-    rr = [p.mixed.attainment["round-robin"] for r in runs for p in r.points]
-    below = [(r.prompts, p.rate) for r in runs for p in r.points if p.mixed.attainment[LB] < TARGET]
-    savings = [p.saving for p in base.points if p.saving is not None]
-    util = [p.mixed.utilization[LB] for p in _big(base)]
-    slo = (
-        f"- **SLO.** Under load-balance the planned fleet kept the SLO for {_span(lb, '.1%')} of "
-        "the measured requests across every rate and both profile sets"
-    )
-    if below:
-        slo += f"; below {TARGET:.0%} at " + ", ".join(
-            f"{rate:g} req/s ({n} prompts)" for n, rate in below
-        )
-    slo += (
-        f". least-request: {_span(lr, '.1%')}. round-robin: {_span(rr, '.1%')}, lowest where "
-        "the plan mixes fast and slow types: it gives every replica an equal share of requests, "
-        "while the plan splits each cell's rate across types in proportion to their profiles' "
-        "rates, which load-balance's capacity weighting approximates."
-    )
+def findings(runs: Sequence[Run]) -> list[str]:
+    steady = next(r for r in runs if r.rule == "steady")
+    others = [r for r in runs if r.rule != "steady"]
+    lb = [p.mixed.attainment[LB] for p in steady.points]
+    below = [p.rate for p in steady.points if p.mixed.attainment[LB] < TARGET]
+    ratios = [
+        (p.rate, p.mixed.cost / c.run.cost)
+        for p in steady.points
+        if (c := steady.cheapest.get(p.rate)) is not None and c.run is not None and c.run.cost > 0
+    ]
+    over = [(rate, r) for rate, r in ratios if r > 1.2]
+    util = [p.mixed.utilization[LB] for p in steady.points if p.rate >= UTILISATION_FROM]
+    savings = [p.saving for p in steady.points if p.saving is not None]
     out = [
         "How to read it.",
         "",
-        slo,
-        f"- **Why so safe: the profiles understate capacity.** With {base.prompts}-prompt "
-        f"profiles the fleets of {BIG} or more replicas delivered {_span(util, '.0%')} of their "
-        "decode ceiling (a fleet of one at a low rate idles whatever the plan). A "
-        "profile's `tputs` is the highest doubling of the offered rate whose measured throughput "
-        "kept up (>= 0.9 x offered) over the point's prompts, and throughput counts the wall "
-        "time until the last answer: with 100 prompts and answers of hundreds of tokens, the "
-        "tail of the last requests weighs on it, so a cell measures below what the GPU sustains. "
-        "The profile's TPOT is also stricter than the SLO judged here: the sweep's TPOT row "
-        "(`plugin_tools.profile.sweep.rows_for`) takes percentiles over every inter-token gap, "
-        "and one gap that waits for a neighbour's 2048-token prefill chunk (about 190 ms on the "
-        "a100) fails a p99 of 60 ms, so the a10's profile has `tputs` 0 for prompts of 2k "
-        "tokens and more and the a100's for most cells of 4k, prompts an a100 serves within "
-        "the SLO as judged per request here. The plan reads the profiles as given, so it is "
-        f"as conservative as they are; headroom ({headroom:g} here) adds to that, it cannot "
-        "take it away.",
-    ]
-    if deeper:
-        d = deeper[-1]
-        ratio = [
-            p.mixed.cost / q.mixed.cost
-            for p, q in zip(d.points, base.points, strict=True)
-            if q.mixed.cost > 0
-        ]
-        d_util = [p.mixed.utilization[LB] for p in _big(d)]
-        d_savings = [p.saving for p in d.points if p.saving is not None]
-        out.append(
-            f"- **{d.prompts} prompts per sweep point instead of {base.prompts}.** The plans "
-            f"cost {_span(ratio, '.0%')} of the {base.prompts}-prompt plans' at the same rates, "
-            f"their fleets of {BIG} or more replicas ran at {_span(d_util, '.0%')} of their "
-            f"ceiling, and the SLO held as above (the sweep took {d.profile_s:.0f} s instead of "
-            f"{base.profile_s:.0f} s)."
-            + (
-                f" Against the best single type these plans save {_span(d_savings, '.0%')}. "
-                f"The depth of the sweep changes the plan's cost by up to "
-                f"{max(abs(1 - r) for r in ratio):.0%}; the mix saves up to "
-                f"{max([*savings, *d_savings]):.0%}."
-                if d_savings and savings
-                else ""
-            )
+        f"- **SLO.** With steady-state profiles the planned fleet kept {_span(lb, '.1%')} of "
+        "the measured requests within the SLO under load-balance"
+        + (
+            f"; below {TARGET:.0%} at " + ", ".join(f"{r:g} req/s" for r in below)
+            if below
+            else f", at or above {TARGET:.0%} at every rate"
         )
-    if savings:
-        uncovered = _uncovered(base, gpus)
-        top = next((p.saving for p in reversed(base.points) if p.saving is not None), None)
-        shrinks = top is not None and top < max(savings)
+        + ".",
+        f"- **Against the cheapest fleet that holds 99%.** The plan costs "
+        f"{_span([r for _, r in ratios], '.2f')} x the cheapest fleet the search found"
+        + (
+            "; more than 1.2 x at " + ", ".join(f"{rate:g} req/s ({r:.2f})" for rate, r in over)
+            if over
+            else ", within 1.2 x at every rate"
+        )
+        + ".",
+        f"- **Utilisation.** From {UTILISATION_FROM:g} req/s up the plan's fleet delivered "
+        f"{_span(util, '.0%')} of its decode ceiling under load-balance. A replica cannot reach "
+        "100% within this SLO: at TPOT 60 ms the a100's steady state for this mix is about two "
+        "thirds of its decode ceiling (prefill steps and the TPOT bound), so that is the "
+        "ceiling a perfect plan would show.",
+        f"- **Mixed against one type.** The plan saves {_span(savings, '.0%')} against the "
+        "best single type.",
+    ]
+    for other in others:
+        util_o = [p.mixed.utilization[LB] for p in other.points if p.rate >= UTILISATION_FROM]
+        cost = [
+            q.mixed.cost / p.mixed.cost
+            for p, q in zip(steady.points, other.points, strict=True)
+            if p.mixed.cost > 0
+        ]
         out.append(
-            f"- **Mixed against one type.** With {base.prompts}-prompt profiles the plan saves "
-            f"{_span(savings, '.0%')} against the best single type. Where one replica serves "
-            "everything, the plan is one replica of the cheapest type whose profile covers every "
-            "cell traced, and there is nothing to save; from a few req/s on, where one type "
-            "would need a last replica it barely uses, the plan fills that remainder with "
-            "cheaper types"
-            + (
-                f", and the saving is smaller at the highest rate ({top:.0%}), where the "
-                "remainder weighs less against a larger fleet"
-                if shrinks and top is not None
-                else ""
-            )
-            + ". Part of the comparison is the profiles': a type whose profile has 0 for a cell "
-            "with traffic cannot be the single type, whatever it would really do there"
-            + (f"; here that rules out {uncovered}." if uncovered else ".")
+            f"- **With the {other.title}** the plans cost {_span(cost, '.1f')} x the "
+            f"steady-state plans at the same rates and delivered {_span(util_o, '.0%')} of "
+            f"their ceiling from {UTILISATION_FROM:g} req/s up: such profiles state a fraction "
+            "of what a GPU sustains (`profile_capacity.py` above), and the plan buys for that "
+            "fraction."
         )
     return out
 
@@ -289,37 +276,52 @@ def _prices(items: Sequence[str]) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default=",".join(f"{r:g}" for r in RATES))
-    parser.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
+    parser.add_argument("--profiles", default=",".join(PROFILES), help="steady and/or aibrix")
     parser.add_argument("--gpus", default=",".join(PRICES), help="GPU types the plan may use")
     parser.add_argument("--price", action="append", default=[], metavar="GPU=USD")
     parser.add_argument("--requests", type=int, default=2000, help="measured requests per run")
     parser.add_argument("--warmup", type=float, default=120.0, help="simulated seconds")
     parser.add_argument("--headroom", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--workload",
+        default="chat",
+        help="chat, or an Azure 2023 trace: azure-conv, azure-code (sizes and arrival gaps)",
+    )
+    parser.add_argument("--trace-dir", type=Path, default=TRACE_DIR)
     parser.add_argument("--json", type=Path, help="also write every figure as JSON here")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     prices = _prices(args.price)
     gpus = tuple(PRESETS[g.strip()] for g in args.gpus.split(","))
+    rules = [r.strip() for r in args.profiles.split(",")]
+    if "steady" not in rules or not set(rules) <= set(PROFILES):
+        raise SystemExit(f"--profiles: steady and optionally aibrix, got {args.profiles!r}")
     started = time.perf_counter()
     runs: list[Run] = []
     loop: ClosedLoop | None = None
-    for prompts in (int(p) for p in args.prompts.split(",")):
+    lengths, traces = parse_workload(args.workload, args.trace_dir)
+    arrivals = Arrivals()
+    if traces:
+        arrivals = Arrivals("trace", trace_times=next(iter(traces.values())).times)
+    for rule in rules:
         scenario = Scenario(
             gpus,
-            CHAT,
+            lengths,
+            arrivals,
             slo=DEFAULT_SLO,
             measured_requests=args.requests,
             warmup_s=args.warmup,
             seed=args.seed,
-            sweep=grid_for(CHAT, DEFAULT_RATES, prompts),
+            sweep=grid_for(lengths, DEFAULT_RATES, rule=rule),
         )
-        loop = ClosedLoop(scenario, costs=prices, headroom=args.headroom)
+        here = ClosedLoop(scenario, costs=prices, headroom=args.headroom)
+        loop = here if rule == "steady" else loop or here
         t0 = time.perf_counter()
-        loop.profiles()
+        here.profiles()
         t1 = time.perf_counter()
-        print(f"{prompts} prompts per point: profiles in {t1 - t0:.0f} s", file=sys.stderr)
+        print(f"{rule} profiles in {t1 - t0:.0f} s", file=sys.stderr)
 
         def progress(p: RatePoint) -> None:
             print(
@@ -329,16 +331,27 @@ def main() -> int:
                 flush=True,
             )
 
-        points = run_closed_loop(loop, rates, progress)
-        runs.append(Run(prompts, points, t1 - t0, time.perf_counter() - t1))
+        points = run_closed_loop(here, rates, progress)
+        cheapest: dict[float, Cheapest] = {}
+        if rule == "steady":
+            for rate in rates:
+                cheapest[rate] = found = cheapest_fleet(here, rate)
+                print(
+                    f"  {rate:g} req/s: cheapest holding 99% "
+                    f"{None if found.run is None else found.run.replicas} ({found.tried} tried)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        runs.append(Run(rule, points, t1 - t0, time.perf_counter() - t1, cheapest))
     assert loop is not None
-    text = render(runs, loop, time.perf_counter() - started)
+    text = render(runs, loop, time.perf_counter() - started, args.workload)
     print(text)
     if args.json:
-        doc = {str(r.prompts): [p.to_json() for p in r.points] for r in runs}
+        doc = {r.rule: [p.to_json() for p in r.points] for r in runs}
         args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     if not args.no_write:
-        print(f"wrote {write_section(DOC, SECTION, text).name}", file=sys.stderr)
+        section = SECTION if args.workload == "chat" else f"{SECTION}-{args.workload}"
+        print(f"wrote {write_section(DOC, section, text).name}", file=sys.stderr)
     return 0
 
 

@@ -30,6 +30,7 @@ from plugin_tools.sim.closed_loop import (
     ClosedLoop,
     RatePoint,
     build_fleet,
+    cheapest_fleet,
     default_gpus,
     trace_windows,
 )
@@ -164,3 +165,19 @@ def test_trace_windows_by_hand() -> None:
     assert got == {0: ({"66:33": 2}, 2), 10: ({"0:0": 1}, 1), 30: ({"100:0": 1}, 1)}
     with pytest.raises(ValueError, match="multiple of 10"):
         trace_windows(requests, start_unix=TRACE_START + 5)
+
+
+def test_the_cheapest_fleet_search_holds_the_target_and_nothing_cheaper_it_tried_does(
+    loop: ClosedLoop,
+) -> None:
+    found = cheapest_fleet(loop, 8.0)
+    assert found.run is not None and found.tried >= 1
+    assert found.run.attainment["load-balance"] >= TARGET
+    # One replica fewer of any type it uses no longer holds it.
+    _, future = loop.requests(8.0)
+    for name, count in found.run.replicas.items():
+        if count:
+            fewer = found.run.replicas | {name: count - 1}
+            if sum(fewer.values()):
+                run = loop.run_fleet(fewer, 0.0, ("load-balance",), future)
+                assert run.attainment["load-balance"] < TARGET, fewer

@@ -2,8 +2,9 @@
 prompts and long prompts under each strategy and score the SLO each one keeps.
 
 The profiles come from the product's own workflow, run against the fleet it then routes: `profile
-sweep` through the gateway, one GPU type at a time (AIBrix's `external-filter` header narrows the
-pods to one deployment), then `profile build` for the SLO, into `HETERO_GATEWAY_PROFILE_DIR`.
+sweep`'s steady-state search through the gateway, every GPU type at once (AIBrix's
+`external-filter` header narrows each sweep to one deployment), for the SLO, then `profile build`
+into `HETERO_GATEWAY_PROFILE_DIR`.
 
 The SLO is p99 TTFT: the one a long prompt on a slow card breaks (its prefill alone can exceed
 it), and the one waiting at the gateway eats into, so a held request has a real deadline. Chunk
@@ -24,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +36,14 @@ import orjson
 
 from plugin.core.profile import GpuProfile
 from plugin.core.request import DEFAULT_TOKENIZER
+from plugin.core.types import SloTarget
 from plugin_tools.demo.fleet import FleetSpec, LocalFleet
 from plugin_tools.demo.loadgen import LengthDist, Workload, prompt_text, run_open_loop
 from plugin_tools.demo.report import RequestResult
-from plugin_tools.profile.build import build_profile, parse_row
+from plugin_tools.profile.build import parse_row
+from plugin_tools.profile.steady import build_steady_profile
 from plugin_tools.profile.store import write_profile
-from plugin_tools.profile.sweep import SweepPlan, run_sweep
+from plugin_tools.profile.sweep import SteadySweepPlan, run_steady_sweep
 from plugin_tools.stats import percentile
 
 __all__ = ["MixResult", "SloBench", "profile_fleet", "run_mix", "score", "slo_fleet"]
@@ -58,16 +62,6 @@ class RequestClass:
 
 
 @dataclass(frozen=True, slots=True)
-class SweepGrid:
-    """One `profile sweep` run: its input and output lengths, rates and prompts per point."""
-
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
-    rates: tuple[float, ...]
-    prompts: int
-
-
-@dataclass(frozen=True, slots=True)
 class SloBench:
     """The experiment's knobs; the defaults are the documented run (`benchmarks/slo_routing.py`)."""
 
@@ -77,18 +71,19 @@ class SloBench:
     ttft_slo_s: float = 1.0  # the SLO the profiles are built for, at `percentile`
     percentile: int = 99
     max_wait_ms: int = 2000  # HETERO_GATEWAY_SLO_MAX_WAIT_MS
-    # The sweeps: one per request size of the mix, each over the rates that matter for it, all
-    # appended into one benchmark file per GPU type (a profile's cells may come from several
-    # sweeps). Enough prompts per point that a kept-up rate measures as kept up: the wall time
-    # of N Poisson arrivals at rate r is about (N - 1) / r + E2E, and `build` wants TPUT >= 0.9 r.
-    sweeps: tuple[SweepGrid, ...] = (
-        SweepGrid(inputs=(64,), outputs=(32,), rates=(4.0, 8.0, 16.0), prompts=48),
-        SweepGrid(inputs=(4096,), outputs=(32,), rates=(0.5, 1.0, 2.0), prompts=6),
-    )
+    # The steady sweep's grid: the mix's sizes (prompt tokens as the engine counts 64 and 4,200
+    # words are about 64 and 4,096 ticks), and the rates it may offer.
+    inputs: tuple[int, ...] = (64, 4096)
+    outputs: tuple[int, ...] = (32,)
+    rate_floor: float = 0.1
+    rate_limit: float = 128.0
     mix: tuple[RequestClass, ...] = (
         RequestClass("short", 64, 32, 6.0),
         RequestClass("long", 4200, 32, 1.0),  # > 4k tokens as the engine counts them
     )
+    # The same classes at half the rates: a load the fleet serves with room to spare, where the
+    # SLO strategies should reject nothing.
+    light: float = 0.5
     duration_s: float = 30.0
     seed: int = 0
     strategies: tuple[str, ...] = (
@@ -124,27 +119,23 @@ async def _profile_one(
     fleet: LocalFleet, bench: SloBench, preset: str, profile_dir: Path
 ) -> tuple[GpuProfile, int, int]:
     out = io.BytesIO()
-    sent = failed = 0
-    for grid in bench.sweeps:
-        plan = SweepPlan(
-            fleet.envoy_url,
-            bench.model,
-            grid.inputs,
-            grid.outputs,
-            grid.rates,
-            prompts=grid.prompts,
-            seed=bench.seed,
-            headers={"external-filter": f"{DEPLOYMENT_LABEL}={preset}"},
-            timeout_s=120.0,
-        )
-        n, bad = await run_sweep(plan, out, progress=False)
-        sent, failed = sent + n, failed + bad
-    rows = [parse_row(orjson.loads(line), preset) for line in out.getvalue().splitlines()]
-    profile = build_profile(
-        rows, preset, slos={"ttft": bench.ttft_slo_s}, percentile=bench.percentile
+    plan = SteadySweepPlan(
+        (fleet.envoy_url,),
+        bench.model,
+        bench.inputs,
+        bench.outputs,
+        SloTarget(ttft_s=bench.ttft_slo_s),
+        percentile=bench.percentile,
+        rate_floor=bench.rate_floor,
+        rate_limit=bench.rate_limit,
+        headers={"external-filter": f"{DEPLOYMENT_LABEL}={preset}"},
+        timeout_s=120.0,
     )
+    tally = await run_steady_sweep(plan, out, progress=False)
+    rows = [parse_row(orjson.loads(line), preset) for line in out.getvalue().splitlines()]
+    profile = build_steady_profile(rows, preset, created=time.time()).profile
     write_profile(profile, str(profile_dir / bench.model / f"{preset}.json"))
-    return profile, sent, failed
+    return profile, tally.requests, tally.failed
 
 
 async def profile_fleet(
@@ -225,9 +216,10 @@ def score(result: MixResult, bench: SloBench, profiles: Mapping[str, GpuProfile]
     sent = result.requests
     served = [s for s in sent if s.result.ok]
     met = [s for s in served if (t := s.result.ttft_s) is not None and t <= bench.ttft_slo_s]
+    late = [s for s in served if s not in met]
     rejected = [s for s in sent if _rejected(s.result)]
     deadlines = {c.name: deadline_s(bench, profiles, c) for c in bench.mix}
-    late = [(s.result.latency_s or 0.0) - deadlines[s.kind] for s in rejected]
+    past = [(s.result.latency_s or 0.0) - deadlines[s.kind] for s in rejected]
 
     def p99(values: list[float | None]) -> float | None:
         return percentile([v for v in values if v is not None], 99)
@@ -261,7 +253,8 @@ def score(result: MixResult, bench: SloBench, profiles: Mapping[str, GpuProfile]
         "goodput_per_s": len(met) / bench.duration_s,
         "p99_ttft_s": p99([s.result.ttft_s for s in served]),
         "p99_tpot_s": p99([s.result.tpot_s for s in served]),
-        "max_reject_late_s": max(late) if late else None,
+        "served_late": len(late),
+        "max_reject_late_s": max(past) if past else None,
         "by_kind": {c.name: by_kind(c.name) for c in bench.mix},
     }
 
@@ -278,16 +271,21 @@ async def run_bench(
     async with fleet:
         profiles = await profile_fleet(fleet, bench, profile_dir, log)
         runs = []
-        for strategy in bench.strategies:
-            result = await run_mix(fleet, bench, strategy)
-            scored = score(result, bench, profiles)
-            log(
-                f"{strategy}: attainment {scored['attainment']:.3f}, goodput "
-                f"{scored['goodput_per_s']:.2f}/s, p99 TTFT {scored['p99_ttft_s']}, "
-                f"rejected {scored['rejected']}, failed {scored['failed']}"
-            )
-            runs.append(scored)
-            await asyncio.sleep(2.0 * bench.time_scale)  # let the engines drain between runs
+        light = replace(
+            bench, mix=tuple(replace(c, rate_per_s=c.rate_per_s * bench.light) for c in bench.mix)
+        )
+        for label, mixed in (("full", bench), ("light", light)):
+            for strategy in bench.strategies:
+                result = await run_mix(fleet, mixed, strategy)
+                scored = score(result, mixed, profiles) | {"mix": label}
+                log(
+                    f"{label} {strategy}: attainment {scored['attainment']:.3f}, goodput "
+                    f"{scored['goodput_per_s']:.2f}/s, p99 TTFT {scored['p99_ttft_s']}, "
+                    f"rejected {scored['rejected']}, late {scored['served_late']}, "
+                    f"failed {scored['failed']}"
+                )
+                runs.append(scored)
+                await asyncio.sleep(2.0 * bench.time_scale)  # let the engines drain
     return {
         "bench": _describe(bench),
         "profiles": {k: p.to_json() for k, p in profiles.items()},
@@ -307,12 +305,14 @@ def _describe(bench: SloBench) -> dict[str, Any]:
             "max_wait_ms",
             "duration_s",
             "seed",
+            "light",
         )
     }
-    doc["sweeps"] = [
-        {"inputs": g.inputs, "outputs": g.outputs, "rates": g.rates, "prompts": g.prompts}
-        for g in bench.sweeps
-    ]
+    doc["sweep"] = {
+        "inputs": bench.inputs,
+        "outputs": bench.outputs,
+        "rates": [bench.rate_floor, bench.rate_limit],
+    }
     doc["mix"] = [
         {
             "name": c.name,

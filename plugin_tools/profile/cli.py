@@ -34,6 +34,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _ticks(text: str) -> list[int]:
+    try:
+        ticks = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N,N,... got {text!r}") from None
+    if not ticks or min(ticks) < 1 or ticks != sorted(set(ticks)):
+        raise argparse.ArgumentTypeError(f"ticks must be increasing positive integers: {text!r}")
+    return ticks
+
+
 def _header(text: str) -> tuple[str, str]:
     name, sep, value = text.partition(":")
     if not sep or not name.strip():
@@ -73,6 +83,12 @@ def register_cli(sub: Any) -> None:
     sweep.add_argument("--input-limit", type=_positive_int, default=2048)
     sweep.add_argument("--output-start", type=_positive_int, default=4)
     sweep.add_argument("--output-limit", type=_positive_int, default=512)
+    sweep.add_argument(
+        "--inputs", type=_ticks, metavar="N,N,...", help="input ticks (instead of start..limit)"
+    )
+    sweep.add_argument(
+        "--outputs", type=_ticks, metavar="N,N,...", help="output ticks (instead of start..limit)"
+    )
     for name in ("ttft", "tpot", "e2e", "tpat"):
         sweep.add_argument(f"--{name}", type=_positive_float, help=_SLO_HELP[name] + "; steady")
     sweep.add_argument(
@@ -166,8 +182,8 @@ def _sweep(args: argparse.Namespace) -> int:
     headers = dict(args.header) | (
         {"external-filter": args.external_filter} if args.external_filter else {}
     )
-    inputs = [int(v) for v in doubling(args.input_start, args.input_limit)]
-    outputs = [int(v) for v in doubling(args.output_start, args.output_limit)]
+    inputs = args.inputs or [int(v) for v in doubling(args.input_start, args.input_limit)]
+    outputs = args.outputs or [int(v) for v in doubling(args.output_start, args.output_limit)]
     if args.rule == "steady":
         return _sweep_steady(args, inputs, outputs, headers)
     if len(args.base_url) != 1:

@@ -2,27 +2,35 @@
 
 AIBrix's sweep keeps a rate when 100 requests' throughput, counted to the last response, stays
 within 0.9 of the offered rate; that caps a point at about a dozen requests in flight and leaves
-profiles near a tenth of what a GPU sustains (DESIGN.md section 9). Here each probe is long
+profiles near a tenth of what a GPU sustains (AIBrix 0.8.0, `gen_profile.py`, `benchmark.sh`,
+`gpu_benchmark.py` under `gpu_optimizer/optimizer/profiling/`). Here each probe is long
 enough to reach a steady state and is judged on it:
 
-- **Probe.** Poisson arrivals at one rate: a warm-up long enough for the in-flight count to
-  fill (`warmup_s`: twice the cell's idle E2E, or the longest E2E the SLO allows, whichever is
-  longer), then the judged requests (at least `judged_requests(p)`, and a warm-up's worth).
-  Nothing sent during the warm-up is judged; nothing is sent after the last judged request, so
-  the drain is never counted as throughput.
-- **Stable**: over the judged window (first judged send to last send) the completions keep up
-  with the arrivals (at least `KEEP_UP` of them), and neither the in-flight count nor TTFT
-  grows from the window's first third to its last (`GROWTH`, plus a small absolute slack).
+- **Probe.** Poisson arrivals at one rate: a warm-up long enough for the batch to fill
+  (`warmup_s`: twice the cell's idle E2E, or twice the longest E2E the SLO allows, whichever is
+  longer; near capacity a continuous-batching engine takes several E2Es to settle), then the
+  judged requests (at least `judged_requests(p)`, and a warm-up's worth). Nothing sent during
+  the warm-up is judged; nothing is sent after the last judged request, so the drain is never
+  counted as throughput.
+- **Stable**: over the judged window the completions keep up with the arrivals (the in-flight
+  count, averaged over the window's first and last thirds, grows by less than `1 - KEEP_UP` of
+  the arrivals between them) and TTFT does not grow (the last third's median within `GROWTH` of
+  the first's, plus a few steps' slack).
 - **Meets the SLO at percentile p, per request**: each judged request meets every target
   (TTFT, TPOT as (E2E - TTFT) / (output - 1), E2E, TPAT), a failed request never does, and the
   95% upper bound on the share of misses (Clopper-Pearson) is at most 1 - p/100: at p99 that
-  takes 299 requests with no miss. At percentile 0 (AIBrix's mean) each metric's mean meets its
+  takes 299 requests with no miss. When the bounds straddle 1 - p/100 the probe is too close to
+  call: it runs again with twice the judged requests, up to `JUDGED_CAP` times the minimum,
+  where the share seen decides. At percentile 0 (AIBrix's mean) each metric's mean meets its
   target instead.
 - **Search** (`CellSearch`): from a start rate, double while probes pass, halve while they
   fail, then bisect geometrically until the highest pass and the lowest fail are within
-  `RATIO` (10%); the highest pass is then confirmed with a second seed (a failure there makes
-  it the new lowest fail and the search goes on). A cell's search may start with a ceiling: a
-  rate that failed for a smaller cell fails for this one too (more tokens are never easier).
+  `RATIO` (10%); the highest pass is then confirmed with two more seeds on probes
+  `CONFIRM_LENGTH` times as long (near a batch cap a queue may run away only after a while, and
+  only for some arrival streams); a failure there makes it the new lowest fail and the search
+  goes on. A cell's search may start with a ceiling: a rate that failed for a smaller cell fails
+  for this one too, along the axes where more tokens are never easier for the SLO
+  (`bounding_axes`).
 
 Pure: no clock, no I/O; the live sweep (`plugin_tools.profile.sweep`) and the simulator
 (`plugin_tools.sim.profiles`) run the probes and feed the outcomes back.

@@ -52,7 +52,7 @@ from plugin_tools.sim.engine import PRESETS, GpuProfile
 from plugin_tools.sim.fleet import MODEL, simulate
 from plugin_tools.sim.metrics import summarize
 from plugin_tools.sim.profiles import profile_book, simulated_profile
-from plugin_tools.sim.sweep import Scenario, make_strategy
+from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
 from plugin_tools.sim.workload import SimRequest, generate
 
 __all__ = [
@@ -63,10 +63,12 @@ __all__ = [
     "STRATEGIES",
     "TRACE_S",
     "TRACE_START",
+    "Cheapest",
     "ClosedLoop",
     "FleetRun",
     "RatePoint",
     "build_fleet",
+    "cheapest_fleet",
     "default_gpus",
     "run_closed_loop",
     "trace_windows",
@@ -338,3 +340,51 @@ def run_closed_loop(
 def default_gpus() -> tuple[GpuProfile, ...]:
     """The GPU types `PRICES` names, as the simulator's presets."""
     return tuple(PRESETS[name] for name in PRICES)
+
+
+@dataclass(frozen=True, slots=True)
+class Cheapest:
+    """The cheapest fleet the search found holding the target under load-balance."""
+
+    run: FleetRun | None  # None: none within the search's bounds
+    tried: int  # fleets simulated
+
+
+def cheapest_fleet(
+    loop: ClosedLoop, rate: float, target: float = 0.99, pooling: float = 0.85
+) -> Cheapest:
+    """The cheapest fleet of the loop's GPU types whose run of the traffic after the trace keeps
+    `target` of requests within the SLO under load-balance, found by search: fleets in order of
+    cost, skipping any whose replicas' capacities alone (each type's steady-state rate for the
+    workload, `slo_capacities`) add up to less than `pooling` x the rate (a pooled fleet does a
+    little better than its replicas alone, so not all the way), and any with no more of every
+    type than a fleet that already failed. The first that holds is the answer."""
+    s = loop.scenario
+    capacity = {
+        name: slo_capacities(replace(s, profiles=(gpu,)))[f"{name}-0"]
+        for name, gpu in loop.gpus.items()
+    }
+    limits = {n: math.ceil(rate / c / pooling) + 1 for n, c in capacity.items() if c > 0}
+    names = list(limits)
+    fleets: list[dict[str, int]] = [{}]
+    for name in names:
+        fleets = [f | {name: k} for f in fleets for k in range(limits[name] + 1)]
+    able = [
+        f
+        for f in fleets
+        if sum(f.values()) and sum(capacity[n] * k for n, k in f.items()) >= pooling * rate
+    ]
+    able.sort(key=lambda f: (math.fsum(loop.costs[n] * k for n, k in f.items()), sum(f.values())))
+    _, future = loop.requests(rate)
+    failed: list[dict[str, int]] = []
+    tried = 0
+    for fleet in able:
+        if any(all(fleet[n] <= bad[n] for n in names) for bad in failed):
+            continue
+        cost = math.fsum(loop.costs[n] * k for n, k in fleet.items())
+        tried += 1
+        run = loop.run_fleet(fleet, cost, (SINGLE_STRATEGY,), future)
+        if run.attainment[SINGLE_STRATEGY] >= target:
+            return Cheapest(run, tried)
+        failed.append(fleet)
+    return Cheapest(None, tried)
