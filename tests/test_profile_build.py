@@ -43,7 +43,8 @@ def test_build_reproduces_aibrix_profile(profile_dir: Path) -> None:
     assert 0.0 in flat and len(set(flat)) > 20
 
 
-def test_cli_build_writes_the_same_profile(profile_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rule", ["aibrix", "auto"])  # auto: AIBrix's rows carry no verdicts
+def test_cli_build_writes_the_same_profile(profile_dir: Path, tmp_path: Path, rule: str) -> None:
     out = tmp_path / "a100.json"
     result = run_cli(
         "profile",
@@ -57,6 +58,8 @@ def test_cli_build_writes_the_same_profile(profile_dir: Path, tmp_path: Path) ->
         "99",
         "--cost",
         "1.0",
+        "--rule",
+        rule,
         "-o",
         str(out),
         timeout_s=60,
@@ -65,6 +68,7 @@ def test_cli_build_writes_the_same_profile(profile_dir: Path, tmp_path: Path) ->
     written = json.loads(out.read_text())
     reference = json.loads((profile_dir / f"{A100}.json").read_text())
     assert _close(written["tputs"], reference["tputs"]) and written["created"] > 1.7e9
+    assert _close(written["e2e"], reference["e2e"]) and "e2e_idle" not in written
 
 
 @pytest.mark.parametrize("name", [A100, A40])

@@ -20,17 +20,17 @@ enough to reach a steady state and is judged on it:
   (TTFT, TPOT as (E2E - TTFT) / (output - 1), E2E, TPAT), a failed request never does, and the
   95% upper bound on the share of misses (Clopper-Pearson) is at most 1 - p/100: at p99 that
   takes 299 requests with no miss. When the bounds straddle 1 - p/100 the probe is too close to
-  call: it runs again with twice the judged requests, up to `JUDGED_CAP` times the minimum,
-  where the share seen decides. At percentile 0 (AIBrix's mean) each metric's mean meets its
-  target instead.
+  call: it runs again with twice the judged requests, up to `JUDGED_CAP` times the minimum (or
+  what `MAX_PROBE_S` of sends allows at its rate, if less), where the share seen decides. At
+  percentile 0 (AIBrix's mean) each metric's mean meets its target instead.
 - **Search** (`CellSearch`): from a start rate, double while probes pass, halve while they
   fail, then bisect geometrically until the highest pass and the lowest fail are within
   `RATIO` (10%); the highest pass is then confirmed with two more seeds on probes
-  `CONFIRM_LENGTH` times as long (near a batch cap a queue may run away only after a while, and
-  only for some arrival streams); a failure there makes it the new lowest fail and the search
-  goes on. A cell's search may start with a ceiling: a rate that failed for a smaller cell fails
-  for this one too, along the axes where more tokens are never easier for the SLO
-  (`bounding_axes`).
+  `CONFIRM_LENGTH` times as long, within `MAX_PROBE_S` of sends (near a batch cap a queue may
+  run away only after a while, and only for some arrival streams); a failure there makes it
+  the new lowest fail and the search goes on. A cell's search may start with a ceiling: a rate
+  that failed for a smaller cell fails for this one too, along the axes where more tokens are
+  never easier for the SLO (`bounding_axes`).
 
 Pure: no clock, no I/O; the live sweep (`plugin_tools.profile.sweep`) and the simulator
 (`plugin_tools.sim.profiles`) run the probes and feed the outcomes back.
@@ -83,6 +83,7 @@ KEEP_UP = 0.9  # completions over arrivals in the judged window
 GROWTH = 1.5  # the last third's median TTFT over the first third's, at most
 INSTANTS = 60  # times in the window at which the in-flight count is read
 JUDGED_WARMUPS = 1.0  # the judged window lasts at least this many warm-ups
+MAX_PROBE_S = 600.0  # sends a confirmation or a longer run may last (a GPU's time is dear)
 CONFIRM_LENGTH = 4  # a confirmation runs four times as long: near a cliff, short runs pass
 JUDGED_CAP = 8  # a probe too close to call grows up to 8 x the fewest judged (2,392 at p99)
 GROWTH_SLACK_S = 0.05  # TTFT may also grow by this much (a few engine steps of jitter)
@@ -228,10 +229,14 @@ def plan_probe(
     if math.isfinite(longest):
         warmup_s = max(warmup_s, WARMUP_E2ES * longest)
     warm = math.ceil(rate * warmup_s)
-    judged = max(judged_requests(percentile), math.ceil(JUDGED_WARMUPS * warm))
+    fewest = judged_requests(percentile)
+    judged = max(fewest, math.ceil(JUDGED_WARMUPS * warm))
+    # What a budget of MAX_PROBE_S of sends allows beyond that: the fewest a verdict needs are
+    # never cut, the longer confirmations and the runs of a probe too close to call are.
+    budget = max(judged, math.floor(rate * MAX_PROBE_S))
     if confirm:
-        judged *= CONFIRM_LENGTH
-    return ProbePlan(rate, warm, warm + judged, JUDGED_CAP * judged_requests(percentile))
+        judged = max(judged, min(CONFIRM_LENGTH * judged, budget))
+    return ProbePlan(rate, warm, warm + judged, min(JUDGED_CAP * fewest, budget))
 
 
 def longer(plan: ProbePlan) -> ProbePlan:

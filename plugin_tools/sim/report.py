@@ -172,6 +172,19 @@ def _slo_tables(doc: Mapping[str, Any]) -> list[str]:
     )
 
 
+def _sweep_rule(sweep: dict[str, Any]) -> str:
+    if sweep.get("rule", "aibrix") == "steady":
+        return (
+            "the steady-state search, per cell the largest Poisson rate one replica sustains "
+            f"within the SLO (rates {sweep.get('floor', sweep['rates'][0]):g}.."
+            f"{sweep['rates'][-1]:g} req/s)"
+        )
+    return (
+        f"AIBrix's sweep and rule, {sweep['prompts']} Poisson requests per doubling rate "
+        f"{sweep['rates'][0]:g}..{sweep['rates'][-1]:g} req/s"
+    )
+
+
 def _profile_cells(doc: Mapping[str, Any]) -> str:
     parts = []
     for gpu, profile in doc["profiles"].items():
@@ -194,11 +207,11 @@ def format_slo_routing(doc: Mapping[str, Any]) -> str:
         f"- **SLO** {describe_slo(doc['slo'])}; the profiles check it at "
         f"p{sweep['percentile']}. G\\* = {_f(doc['g_star'])} req/s ({alone} alone at "
         f">= {target} attainment); loads are fractions of it.",
-        f"- **GPU profiles** from a simulated `profile sweep` per GPU type (one engine alone, "
-        f"{sweep['prompts']} Poisson requests per point) over inputs {sweep['inputs'][0]}.."
-        f"{sweep['inputs'][-1]}, outputs {sweep['outputs'][0]}..{sweep['outputs'][-1]} and "
-        f"rates {sweep['rates'][0]:g}..{sweep['rates'][-1]:g} req/s, each doubling, built by "
-        f"`profile build`'s rule. Cells where the GPU type meets the SLO: {_profile_cells(doc)}.",
+        f"- **GPU profiles** from a simulated `profile sweep` per GPU type (one engine alone) "
+        f"over inputs {sweep['inputs'][0]}..{sweep['inputs'][-1]} and outputs "
+        f"{sweep['outputs'][0]}..{sweep['outputs'][-1]} tokens, each doubling, built by "
+        f"`profile build`: {_sweep_rule(sweep)}. Cells where the GPU type meets the SLO: "
+        f"{_profile_cells(doc)}.",
         f"- {doc['measured_requests']} measured requests per run after {doc['warmup_s']:g} s of "
         "warm-up.",
     ]

@@ -220,6 +220,8 @@ def study(
             "rates": list(grid.rates),
             "prompts": grid.prompts,
             "percentile": scenario.profile_percentile,
+            "rule": grid.rule,
+            "floor": grid.floor,
         }
         out["profiles"] = {
             gpu.name: profile.to_json()
