@@ -70,7 +70,7 @@ class Run:
     @property
     def title(self) -> str:
         if self.rule == "steady":
-            return "steady-state sweep (the default)"
+            return "the steady-state sweep (the default)"
         return "AIBrix's sweep and rule, 100 prompts per point"
 
 
@@ -175,7 +175,7 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float, workload: st
         "",
     ]
     for run in runs:
-        lines += [f"### Profiles from the {run.title}", "", *table(run, gpus), ""]
+        lines += [f"### Profiles from {run.title}", "", *table(run, gpus), ""]
         short = [p for p in run.points if p.plan.infeasible_cells]
         if short:
             lines += [
@@ -254,7 +254,7 @@ def findings(runs: Sequence[Run]) -> list[str]:
             if p.mixed.cost > 0
         ]
         out.append(
-            f"- **With the {other.title}** the plans cost {_span(cost, '.1f')} x the "
+            f"- **With {other.title}** the plans cost {_span(cost, '.1f')} x the "
             f"steady-state plans at the same rates and delivered {_span(util_o, '.0%')} of "
             f"their ceiling from {UTILISATION_FROM:g} req/s up: such profiles state a fraction "
             "of what a GPU sustains (`profile_capacity.py` above), and the plan buys for that "
