@@ -4,6 +4,7 @@ one cell and of a grid, resuming from written rows, and the profile built from t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -27,6 +28,7 @@ from plugin_tools.profile.steady import (
     plan_probe,
     sweep_grid,
 )
+from plugin_tools.profile.sweep import SteadySweepPlan, resume_from
 from plugin_tools.sim.engine import PRESETS
 from plugin_tools.sim.metrics import DEFAULT_SLO
 from plugin_tools.sim.profiles import run_probe
@@ -262,3 +264,18 @@ def test_the_simulated_a100_profile_sits_near_the_replica_s_steady_capacity() ->
     seeds = range(11, 17)
     assert sum(attained(found, seed) >= 0.99 for seed in seeds) >= 5
     assert not any(attained(found * 1.25, seed) >= 0.99 for seed in seeds)
+
+
+def test_a_resume_refuses_a_file_judged_for_another_slo_or_grid() -> None:
+    rows: list[BenchmarkRow] = []
+    run = _fake_run({(16, 4): 10.0})
+    sweep_grid(GridSearch((16,), (4,)), SloTarget(ttft_s=1.0), 99, "m", run, rows.extend)  # type: ignore[arg-type]
+    same = SteadySweepPlan(("http://x",), "m", [16], [4], SloTarget(ttft_s=1.0), percentile=99)
+    assert set(resume_from(same, rows)) == {(16, 4)}
+    with pytest.raises(ConfigError, match="not this one"):
+        resume_from(replace(same, slo=SloTarget(ttft_s=2.0)), rows)
+    with pytest.raises(ConfigError, match="not this one"):
+        resume_from(replace(same, percentile=90), rows)
+    with pytest.raises(ConfigError, match="outside this grid"):
+        resume_from(replace(same, inputs=[32]), rows)
+    assert resume_from(same, []) == {}

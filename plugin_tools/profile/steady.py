@@ -66,6 +66,7 @@ __all__ = [
     "build_steady_profile",
     "cell_probes",
     "history_from_rows",
+    "idle_passed",
     "judge",
     "judged_requests",
     "miss_upper_bound",
@@ -75,6 +76,7 @@ __all__ = [
     "slo_e2e_bound",
     "sweep_grid",
     "sweep_wall_seconds",
+    "swept_slo",
 ]
 
 CONFIDENCE = 0.95  # of the upper bound on the share of requests that miss the SLO
@@ -171,6 +173,11 @@ def miss_lower_bound(misses: int, n: int, confidence: float = CONFIDENCE) -> flo
         else:
             hi = mid
     return lo
+
+
+def idle_passed(outcomes: Sequence[Outcome], slo: SloTarget) -> bool:
+    """The idle probe's verdict: most of its requests, sent one at a time, met the SLO."""
+    return sum(1 for o in outcomes if o.meets(slo)) * 2 > len(outcomes)
 
 
 def judged_requests(percentile: int, confidence: float = CONFIDENCE) -> int:
@@ -593,7 +600,7 @@ def probe_rows(
     if verdict is None:  # idle: one request at a time
         judged = list(outcomes)
         throughput = probe.rate
-        passed = sum(1 for o in judged if o.meets(slo)) * 2 > len(judged)
+        passed = idle_passed(judged, slo)
         info: dict[str, object] = {"passed": passed, "idle_e2e": idle_e2e_s}
         if search is not None:
             info["start"] = search.start
@@ -735,8 +742,7 @@ def cell_probes(
             idle_e2e_s=idle_e2e,
         )
         emit(rows)
-        passed = bool(rows[0].extra["steady"]["passed"])
-        done = [(idle, passed)]
+        done = [(idle, idle_passed(outcomes, slo))]
     for earlier, passed in done:
         search.record(earlier, passed)
     while (probe := search.next()) is not None:
@@ -799,6 +805,24 @@ def sweep_grid(
     return dict(grid.finished)
 
 
+def swept_slo(rows: Sequence[BenchmarkRow]) -> tuple[dict[str, float], int]:
+    """The SLO (AIBrix's names) and percentile a steady sweep's rows were judged for; an error
+    for rows of several sweeps, or none."""
+    swept = {
+        (orjson.dumps(dict(sorted(s["slo"].items()))), int(s["percentile"]))
+        for r in rows
+        if r.metric == "TPUT" and isinstance(s := r.extra.get("steady"), Mapping)
+    }
+    if len(swept) != 1:
+        raise ConfigError(
+            "these rows were judged for several SLOs; keep each sweep in a file of its own"
+            if swept
+            else "these rows carry no steady-state verdicts"
+        )
+    slo_json, percentile = next(iter(swept))
+    return {k: float(v) for k, v in orjson.loads(slo_json).items()}, percentile
+
+
 @dataclass(frozen=True, slots=True)
 class SteadyProfile:
     """A profile built from a steady sweep, and what the builder wants the user to know."""
@@ -826,15 +850,7 @@ def build_steady_profile(
             "these rows carry no steady-state verdicts (AIBrix's benchmark, or an older "
             "sweep): build them with --rule aibrix"
         )
-    swept = {
-        (orjson.dumps(dict(sorted(s["slo"].items()))), int(s["percentile"]))
-        for r in rows
-        if r.metric == "TPUT" and isinstance(s := r.extra.get("steady"), Mapping)
-    }
-    if len(swept) != 1:
-        raise ConfigError("these rows were swept for several SLOs; build each sweep apart")
-    slo_json, swept_percentile = next(iter(swept))
-    swept_slos = {k: float(v) for k, v in orjson.loads(slo_json).items()}
+    swept_slos, swept_percentile = swept_slo(rows)
     if slos and dict(slos) != swept_slos:
         raise ConfigError(f"the sweep judged the SLO {swept_slos}, not {dict(slos)}")
     if percentile is not None and percentile != swept_percentile:

@@ -51,6 +51,7 @@ from plugin_tools.profile.steady import (
     cell_probes,
     history_from_rows,
     pooled_gaps,
+    swept_slo,
 )
 from plugin_tools.stats import interpolated_percentile
 
@@ -380,15 +381,14 @@ def resume_from(plan: SteadySweepPlan, rows: Sequence[BenchmarkRow]) -> dict[Cel
     """The cells an earlier run of the same sweep measured (from its output file); an error if
     that run judged another SLO, or measured other cells."""
     histories = history_from_rows(rows)
-    for r in rows:
-        steady = r.extra.get("steady")
-        if r.metric != "TPUT" or not isinstance(steady, Mapping):
-            continue
-        if steady.get("slo") != plan.slo.slos() or steady.get("percentile") != plan.percentile:
-            raise ConfigError(
-                f"the output file holds a sweep judged for {steady.get('slo')} at p"
-                f"{steady.get('percentile')}, not this one: write to another file"
-            )
+    if not histories:
+        return histories
+    slos, percentile = swept_slo(rows)
+    if slos != plan.slo.slos() or percentile != plan.percentile:
+        raise ConfigError(
+            f"the output file holds a sweep judged for {slos} at p{percentile}, not this one: "
+            "write to another file"
+        )
     foreign = sorted(set(histories) - {(i, o) for i in plan.inputs for o in plan.outputs})
     if foreign:
         raise ConfigError(f"the output file holds cells outside this grid: {foreign[:3]}")

@@ -150,9 +150,9 @@ class SloFit:
     """How one request fits one pod's profile."""
 
     candidate: Candidate
+    profile: GpuProfile  # the candidate's (its deployment's)
     consumption: float  # share of the pod the request takes; inf: never within the SLO
     slack_s: float  # how long it may wait and still make its SLO (inf: only the gateway's bound)
-    expected_e2e_s: float | None = None  # the profile's E2E for the cell (None: not in it)
     cell: tuple[int, int] = (0, 0)  # (out, in) in the profile's grid
     above: tuple[str, ...] = ()  # axes on which the request lies above the grid
 
@@ -210,26 +210,22 @@ def fit(
     tput = profile.tputs[i][j]
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
     if tput <= 0:
-        return SloFit(candidate, math.inf, -math.inf, cell=cell, above=above)
+        return SloFit(candidate, profile, math.inf, -math.inf, cell, above)
     concurrency = tput * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
     consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / tput  # no e2e: 1 s a request
     at_load = profile.e2e_at(cell, candidate.load + consumption)
     slack = _slack_s(
         profile, cell, request, prompt, output_tokens, math.nan if at_load is None else at_load
     )
-    expected = e2e if e2e > 0 and math.isfinite(e2e) else None
-    return SloFit(candidate, consumption, slack, expected, cell, above)
+    return SloFit(candidate, profile, consumption, slack, cell, above)
 
 
 def _route(chosen: Candidate, best: SloFit, output_tokens: int) -> Route:
     """Route to `chosen` (a pod of `best`'s deployment, so of its profile), predicting the E2E
     at the pod's SLO load with this request."""
-    profile = best.candidate.profile
-    if profile is None:  # not reached: only profiled pods are fitted
-        return Route(chosen, load=best.consumption, expected_e2e_s=best.expected_e2e_s)
     load = chosen.load + best.consumption
-    e2e = profile.e2e_at(best.cell, load)
-    profiled = ProfiledRoute(profile, best.cell, output_tokens, load, e2e, best.above)
+    e2e = best.profile.e2e_at(best.cell, load)
+    profiled = ProfiledRoute(best.profile, best.cell, output_tokens, load, e2e, best.above)
     return Route(chosen, load=best.consumption, expected_e2e_s=e2e, profiled=profiled)
 
 
