@@ -17,6 +17,7 @@ from plugin_tools.profile.steady import (
     Outcome,
     Probe,
     ProbePlan,
+    RunProbe,
     bounding_axes,
     build_steady_profile,
     cell_probes,
@@ -142,7 +143,7 @@ def test_bounds_follow_the_slo() -> None:
     assert bounding_axes(SloTarget(tpat_s=0.02)) == (False, False)
 
 
-def _fake_run(capacity: dict[tuple[int, int], float]) -> object:
+def _fake_run(capacity: dict[tuple[int, int], float]) -> RunProbe:
     """A replica whose cells sustain `capacity[cell]` req/s: below it every request meets the
     SLO, above it every one misses; one request alone takes (input + output) ms."""
 
@@ -165,7 +166,7 @@ def test_a_grid_sweep_resumes_from_its_rows_without_running_a_finished_probe_aga
     capacity = {(16, 4): 40.0, (16, 8): 20.0, (32, 4): 30.0, (32, 8): 9.0}
     run = _fake_run(capacity)
     rows: list[BenchmarkRow] = []
-    full = sweep_grid(GridSearch((16, 32), (4, 8)), slo, 90, "m", run, rows.extend)  # type: ignore[arg-type]
+    full = sweep_grid(GridSearch((16, 32), (4, 8)), slo, 90, "m", run, rows.extend)
     for cell, search in full.items():
         assert capacity[cell] / 1.1 <= search.result <= capacity[cell]
     # Larger cells started under the smaller ones' failures, so below them.
@@ -179,7 +180,7 @@ def test_a_grid_sweep_resumes_from_its_rows_without_running_a_finished_probe_aga
 
     def counting(cell: tuple[int, int], probe: Probe, plan: ProbePlan) -> list[Outcome]:
         ran.append((cell, probe))
-        return run(cell, probe, plan)  # type: ignore[operator,no-any-return]
+        return run(cell, probe, plan)
 
     grid = GridSearch((16, 32), (4, 8))
     for cell, h in histories.items():
@@ -205,7 +206,7 @@ def test_a_grid_sweep_resumes_from_its_rows_without_running_a_finished_probe_aga
 def test_the_steady_build_refuses_another_slo_and_aibrix_rows() -> None:
     rows: list[BenchmarkRow] = []
     run = _fake_run({(16, 4): 10.0})
-    sweep_grid(GridSearch((16,), (4,)), SloTarget(ttft_s=1.0), 99, "m", run, rows.extend)  # type: ignore[arg-type]
+    sweep_grid(GridSearch((16,), (4,)), SloTarget(ttft_s=1.0), 99, "m", run, rows.extend)
     with pytest.raises(ConfigError, match="judged the SLO"):
         build_steady_profile(rows, "a100", slos={"ttft": 2.0}, created=0.0)
     with pytest.raises(ConfigError, match="percentile 99"):
@@ -269,7 +270,7 @@ def test_the_simulated_a100_profile_sits_near_the_replica_s_steady_capacity() ->
 def test_a_resume_refuses_a_file_judged_for_another_slo_or_grid() -> None:
     rows: list[BenchmarkRow] = []
     run = _fake_run({(16, 4): 10.0})
-    sweep_grid(GridSearch((16,), (4,)), SloTarget(ttft_s=1.0), 99, "m", run, rows.extend)  # type: ignore[arg-type]
+    sweep_grid(GridSearch((16,), (4,)), SloTarget(ttft_s=1.0), 99, "m", run, rows.extend)
     same = SteadySweepPlan(("http://x",), "m", [16], [4], SloTarget(ttft_s=1.0), percentile=99)
     assert set(resume_from(same, rows)) == {(16, 4)}
     with pytest.raises(ConfigError, match="not this one"):
