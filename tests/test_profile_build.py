@@ -3,6 +3,7 @@ own output from the same benchmark rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -175,3 +176,19 @@ def test_cell_lookup_by_log2_signature() -> None:
 
 def test_profile_key_is_aibrix_s() -> None:
     assert profile_key("llama2-7b", A100) == f"aibrix:profile_llama2-7b_{A100}"
+
+
+def test_a_long_prompt_counts_in_a_mix_as_at_most_its_share_of_shorter_ones() -> None:
+    # Inputs 128..1024 doubling, outputs 4 and 64. Output 4: the 512 and 1024 cells sustain
+    # little alone (collisions), so inside a mix they count as two 256s and two 512s; the 256
+    # cell is bound by its own work (11 >= 20 / 2) and keeps its rate. Output 64: a cell at 0
+    # stays 0 and passes no bound on.
+    tputs = ((20.0, 11.0, 2.0, 0.5), (8.0, 0.0, 1.0, 0.25))
+    profile = GpuProfile("g", 1.0, (4, 64), (128, 256, 512, 1024), tputs, 0.0)
+    assert profile.mix_tputs == ((20.0, 11.0, 5.5, 2.75), (8.0, 0.0, 1.0, 0.5))
+    # Derived, never written: AIBrix's document is unchanged, and a copy derives its own.
+    doc = profile.to_json()
+    assert "mix_tputs" not in doc
+    assert parse_profile(json.loads(json.dumps(doc))).mix_tputs == profile.mix_tputs
+    cheaper = dataclasses.replace(profile, tputs=((20.0, 11.0, 2.0, 0.5), (8.0, 4.0, 1.0, 0.25)))
+    assert cheaper.mix_tputs[1] == (8.0, 4.0, 2.0, 1.0)

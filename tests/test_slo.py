@@ -160,6 +160,25 @@ def test_fit_consumption_and_slack() -> None:
     assert f.slack_s == pytest.approx(0.25)
 
 
+def test_a_long_prompt_takes_what_it_costs_in_a_mix_not_what_its_size_sustains_alone() -> None:
+    # 4096-token prompts sustain 0.5 req/s alone (collisions) but count as two 2048s inside
+    # a mix: 2 req/s, so a request of them takes 1 / (2 x 1 s) of the pod, not 1 / 0.5.
+    c = Candidate(pod("a", "fast"), 0, None, None, None)
+    profile = GpuProfile(
+        "fast", 1.0, (64,), (2048, 4096), ((4.0, 0.5),), 0.0, ((0.5, 1.0),), ((0.2, 0.4),)
+    )
+    long = fit(c, profile, RequestInfo(MODEL, prompt_tokens=4096), 64)
+    assert long.consumption == pytest.approx(0.5)
+    # So an a100 serving one long prompt still has room for another next to it.
+    router, pool, clock, _ = setup(pod("a", "fast"), profiles={profile_key(MODEL, "fast"): profile})
+    slo = strategy(router, "slo")
+    routes = [router.admit(req(clock, prompt_tokens=4096, max_tokens=64), slo) for _ in range(2)]
+    assert all(isinstance(r, Decision) for r in routes)
+    assert pool.load("ns/a") == pytest.approx(1.0)
+    # A third finds the pod full and waits (charged by its size alone, so would the second).
+    assert isinstance(router.admit(req(clock, prompt_tokens=4096, max_tokens=64), slo), Waiter)
+
+
 def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
     router, pool, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
     slo = strategy(router, "slo")

@@ -538,6 +538,7 @@ def _debug(
                 "output_tokens": round(o, 1),
                 "rate": p.rates[k],
                 "tputs": {c.name: c.tputs[k] for c in p.candidates},
+                "mix_tputs": {c.name: c.mix[k] for c in p.candidates},
                 "share": {c.name: plan.share[k][j] for j, c in enumerate(p.candidates)},
                 "unserved": plan.unserved[k],
                 "servable": k not in plan.infeasible_cells,

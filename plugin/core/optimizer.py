@@ -8,8 +8,16 @@ program (SciPy's `milp`, which is HiGHS):
 
     minimise    sum_d cost_d * n_d
     subject to  sum_d x_kd = 1                                   for each cell k with traffic
-                sum_k rate_k * headroom * x_kd / tputs_dk <= n_d  for each candidate d
+                sum_k rate_k * headroom * x_kd / mix_dk <= n_d    for each candidate d
+                rate_k * headroom * x_kd / tputs_dk <= n_d        for each cell k and candidate d
                 n_d integer in [min_replicas_d, upper_d],  x_kd >= 0, x_kd only where tputs_dk > 0
+
+`mix_dk` (`Candidate.mix_tputs`, default `tputs`) is the rate cell k counts for on d inside a
+mix of sizes (`plugin.core.profile.GpuProfile.mix_tputs`): a long prompt's standalone `tputs`
+is set by collisions between long prompts, so summed as work it would buy replicas for
+collisions that a mix rarely has; the second row keeps each cell within what a replica
+sustains of it alone. (Where `mix_dk = tputs_dk` the second row follows from the first and is
+left out.)
 
 `x_kd` is the fraction of cell k's requests that candidate d serves. It is fractional on purpose:
 the gateway routes each request on its own, so a cell's traffic can be split across GPU types in
@@ -79,6 +87,12 @@ class Candidate:
     tputs: tuple[float, ...]  # per cell: req/s ONE replica sustains within the SLO; 0: cannot
     min_replicas: int = 0
     max_replicas: int | None = None  # availability cap (None: unbounded)
+    # per cell: req/s the cell counts for inside a mix (>= tputs, 0 where tputs is); None: tputs
+    mix_tputs: tuple[float, ...] | None = None
+
+    @property
+    def mix(self) -> tuple[float, ...]:
+        return self.tputs if self.mix_tputs is None else self.mix_tputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +159,15 @@ def validate(problem: Problem) -> None:
         for k, tput in enumerate(cand.tputs):
             if not _finite_nonneg(tput):
                 raise _fail(f"{who}: tputs[{k}] = {tput!r}: must be a finite number >= 0")
+        if cand.mix_tputs is not None:
+            if len(cand.mix_tputs) != cells:
+                raise _fail(f"{who}: mix_tputs has {len(cand.mix_tputs)} cells, not {cells}")
+            for k, (tput, mix) in enumerate(zip(cand.tputs, cand.mix_tputs, strict=True)):
+                if not (_finite_nonneg(mix) and (mix >= tput if tput > 0 else mix == 0)):
+                    raise _fail(
+                        f"{who}: mix_tputs[{k}] = {mix!r}: must be a finite number >= tputs[{k}]"
+                        " (0 where tputs is 0)"
+                    )
         if not (_is_int(cand.min_replicas) and cand.min_replicas >= 0):
             raise _fail(f"{who}: min_replicas = {cand.min_replicas!r}: must be an integer >= 0")
         cap = cand.max_replicas
@@ -162,7 +185,8 @@ class _Model:
     cells: list[int]  # cells with traffic that some candidate serves
     pair_cell: list[int]  # per x variable: its cell's position in `cells`
     pair_cand: list[int]  # per x variable: its candidate
-    need: list[float]  # per x variable: replicas of the candidate the whole cell needs
+    need: list[float]  # per x variable: replicas of the candidate the whole cell needs in a mix
+    alone: list[float]  # per x variable: replicas the whole cell needs by itself (>= need)
     lower: list[int]  # per candidate
     upper: list[int]  # per candidate
     total: float  # req/s over `cells`
@@ -172,7 +196,9 @@ def _model(problem: Problem, cells: list[int]) -> _Model:
     pair_cell: list[int] = []
     pair_cand: list[int] = []
     need: list[float] = []
-    alone = [0.0] * len(problem.candidates)
+    alone: list[float] = []
+    total_need = [0.0] * len(problem.candidates)
+    most_alone = [0.0] * len(problem.candidates)
     for i, k in enumerate(cells):
         for d, cand in enumerate(problem.candidates):
             tput = cand.tputs[k]
@@ -184,19 +210,22 @@ def _model(problem: Problem, cells: list[int]) -> _Model:
                         f"{problem.rates[k]!r} x {problem.headroom!r} / {tput!r} replicas, "
                         "which overflows"
                     )
+                mixed = problem.rates[k] * problem.headroom / cand.mix[k]
                 pair_cell.append(i)
                 pair_cand.append(d)
-                need.append(a)
-                alone[d] += a
+                need.append(mixed)
+                alone.append(a)
+                total_need[d] += mixed
+                most_alone[d] = max(most_alone[d], a)
     upper: list[int] = []
     for d, cand in enumerate(problem.candidates):
-        if not math.isfinite(alone[d]):
+        if not math.isfinite(total_need[d]):
             raise _fail(f"candidate {cand.name!r}: the replicas it needs overflow")
-        bound = max(cand.min_replicas, math.ceil(alone[d]))
+        bound = max(cand.min_replicas, math.ceil(max(total_need[d], most_alone[d])))
         upper.append(bound if cand.max_replicas is None else min(cand.max_replicas, bound))
     lower = [c.min_replicas for c in problem.candidates]
     total = math.fsum(problem.rates[k] for k in cells)
-    return _Model(cells, pair_cell, pair_cand, need, lower, upper, total)
+    return _Model(cells, pair_cell, pair_cand, need, alone, lower, upper, total)
 
 
 def _milp(
@@ -224,10 +253,25 @@ def _milp(
     vals = np.concatenate([np.ones(nx), np.asarray(m.need), -np.ones(nd)])
     row_lb = np.concatenate([np.full(nk, 1.0 if phase == "all" else 0.0), np.full(nd, -np.inf)])
     row_ub = np.concatenate([np.ones(nk), np.zeros(nd)])
+    # Then a row per pair whose cell costs less in a mix than alone: its share within what the
+    # candidate's replicas sustain of that cell by itself.
+    capped = [p for p in range(nx) if m.alone[p] > m.need[p]]
+    if capped:
+        base = len(row_lb)
+        cap_rows = base + np.arange(len(capped))
+        rows = np.concatenate([rows, cap_rows, cap_rows])
+        cols = np.concatenate(
+            [cols, nd + np.asarray(capped), np.asarray([m.pair_cand[p] for p in capped])]
+        )
+        vals = np.concatenate(
+            [vals, np.asarray([m.alone[p] for p in capped]), -np.ones(len(capped))]
+        )
+        row_lb = np.concatenate([row_lb, np.full(len(capped), -np.inf)])
+        row_ub = np.concatenate([row_ub, np.zeros(len(capped))])
     # Each x's weight in the rate served, as a fraction of all servable traffic.
     weight = np.asarray([rates[m.cells[i]] for i in m.pair_cell]) / m.total
     if phase == "cheapest":
-        rows = np.concatenate([rows, np.full(nx, nk + nd)])
+        rows = np.concatenate([rows, np.full(nx, len(row_lb))])
         cols = np.concatenate([cols, cols_x])
         vals = np.concatenate([vals, weight])
         row_lb = np.append(row_lb, served * (1 - SERVED_SLACK))
@@ -284,20 +328,26 @@ def _plan(
         total = math.fsum(row)
         if total > 1 - UNSERVED_TOLERANCE:  # 1 up to the solver's tolerance (or above it)
             share[k] = [v / total for v in row]
-    need = {(m.cells[m.pair_cell[i]], m.pair_cand[i]): m.need[i] for i in range(len(m.need))}
+    key = [(m.cells[m.pair_cell[i]], m.pair_cand[i]) for i in range(len(m.need))]
+    need = dict(zip(key, m.need, strict=True))
+    alone = dict(zip(key, m.alone, strict=True))
 
     def work(d: int) -> float:
         return math.fsum(share[k][d] * need[k, d] for k in m.cells if (k, d) in need)
+
+    def widest(d: int) -> float:  # the replicas d's largest share of one cell needs by itself
+        return max((share[k][d] * alone[k, d] for k in m.cells if (k, d) in alone), default=0.0)
 
     replicas: list[int] = []
     load: list[float] = []
     for d, cand in enumerate(cands):
         w = work(d)
-        n = max(cand.min_replicas, math.ceil(w - LOAD_TOLERANCE * max(1.0, w)))
+        required = max(w, widest(d))
+        n = max(cand.min_replicas, math.ceil(required - LOAD_TOLERANCE * max(1.0, required)))
         if n > m.upper[d]:
             n = m.upper[d]
             for k in m.cells:
-                share[k][d] *= n / w
+                share[k][d] *= n / required
             w = work(d)
         replicas.append(n)
         load.append(w)

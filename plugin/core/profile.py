@@ -11,6 +11,19 @@ mean E2E of the cell's requests on an otherwise idle replica), written after AIB
 which AIBrix's readers ignore: with it the E2E a request should take is interpolated between
 idle and the profile's load (`GpuProfile.e2e_at`).
 
+What a cell's requests cost inside a mix of sizes (`GpuProfile.mix_tputs`): a cell's `tputs` is
+what a stream of that size ALONE sustains. For long prompts that is set by collisions (two 4k
+prompts arriving together blow the TTFT), not by the work: the simulated a100 sustains 0.46 req/s
+of 4096:64 alone, yet inside the chat mix such a prompt costs little more than its prefill. So a
+cell counts, inside a mix, as at most `in / in'` requests of the cell one input tick smaller (the
+same output): prefill work grows linearly with prompt tokens, and `k` requests of the smaller
+prompt do the same prefill and `k` times the decode, so this bounds the work from above (the
+attention's quadratic part is a few percent at these lengths). Applied tick by tick up the input
+axis, `mix_tputs >= tputs` everywhere, equal where the cell is bound by its own throughput; 0
+stays 0 (a size the GPU type never serves within the SLO stays unserved). The gateway charges a
+request `1 / (mix_tputs x e2e)` of a pod; the optimizer sums `rate / mix_tputs` per replica and
+keeps each cell's rate within `tputs` per replica.
+
 A request's size maps to the cell whose ticks are nearest in log2 (`GpuProfile.cell`), clamped
 to the grid: a size below the grid takes the smallest tick (a request is never harder than the
 smallest cell), a size above it the border cell, which says nothing sure of it (`above_grid`
@@ -36,6 +49,7 @@ __all__ = [
     "ProfileBook",
     "ProfiledRoute",
     "beyond_grid",
+    "mix_rates",
     "nearest_tick",
     "parse_profile",
     "profile_key",
@@ -69,6 +83,11 @@ class GpuProfile:
     # [out][in] mean end-to-end seconds of the cell's requests on an otherwise idle replica
     # (this project's key, not AIBrix's; None: not measured).
     e2e_idle: Grid | None = None
+    # [out][in] req/s the cell's requests count for inside a mix (module doc); derived.
+    mix_tputs: Grid = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mix_tputs", mix_rates(self.tputs, self.in_ticks))
 
     def to_json(self) -> dict[str, Any]:
         """The document AIBrix writes (same keys, same order), then `e2e_idle` when known."""
@@ -149,6 +168,22 @@ class ProfiledRoute:
     def ticks(self) -> tuple[int, int]:
         """The cell as (output tick, input tick)."""
         return self.profile.out_ticks[self.cell[0]], self.profile.in_ticks[self.cell[1]]
+
+
+def mix_rates(tputs: Grid, in_ticks: Sequence[int]) -> Grid:
+    """Each cell's rate inside a mix (module doc): the larger of its own `tputs` and the rate
+    the cell one input tick smaller counts for inside a mix, divided by the ticks' ratio. Cells
+    at 0 stay 0 and pass no bound on (a gap in the grid breaks the chain)."""
+    rows = []
+    for row in tputs:
+        mixed: list[float] = []
+        for j, tput in enumerate(row):
+            rate = tput
+            if tput > 0 and j > 0 and mixed[j - 1] > 0:
+                rate = max(tput, mixed[j - 1] * in_ticks[j - 1] / in_ticks[j])
+            mixed.append(rate)
+        rows.append(tuple(mixed))
+    return tuple(rows)
 
 
 def nearest_tick(ticks: Sequence[int], tokens: float) -> int:

@@ -171,12 +171,14 @@ def build_problem(
     for k, d in enumerate(profiled):
         profile = profiles[d.name]
         tputs = tuple(profile.tputs[key[k][0]][key[k][1]] for key, _ in ordered)
+        mix = tuple(profile.mix_tputs[key[k][0]][key[k][1]] for key, _ in ordered)
         cap = caps.get(d.key, caps.get(d.name))
         candidates.append(
             Candidate(
                 name=d.key,
                 cost=profile.cost,
                 tputs=tputs,
+                mix_tputs=mix,
                 min_replicas=d.min_replicas if cap is None else min(d.min_replicas, cap),
                 max_replicas=cap,
             )

@@ -14,10 +14,13 @@ For one request and one pod:
   a size above it takes the border cell, a guess rather than a refusal, and the route says so
   (`ProfiledRoute.above`: the router counts such requests per model and axis and warns once per
   model). This holds in every strategy of the family, on a list and on the view's groups.
-- **Consumption.** A request uses `1 / (tputs x e2e)` of a pod (Little's law: `tputs x e2e` is
-  how many such requests the pod serves at once within the SLO); a pod is full at 1.0, and an
-  idle pod always has room (a consumption above 1 only means one request at a time). `tputs`
-  0 means this GPU type never meets the SLO at that size.
+- **Consumption.** A request uses `1 / (mix_tputs x e2e)` of a pod (Little's law: `rate x e2e`
+  is how many such requests the pod serves at once within the SLO); a pod is full at 1.0, and an
+  idle pod always has room (a consumption above 1 only means one request at a time). The rate is
+  what the cell counts for inside a mix (`GpuProfile.mix_tputs`: a long prompt costs at most as
+  many shorter ones as its prompt is longer), not what a stream of that size alone sustains,
+  which collisions between long prompts set. `tputs` 0 means this GPU type never meets the SLO
+  at that size.
 - **Slack**: the request's `x-slo-tpot-ms` and `x-slo-ttft-ms` when it sends one, else every
   latency SLO of the profile (TPOT, TTFT, TPAT, E2E), against the profile's expectation (E2E and
   TTFT from its grids; TPOT and TPAT as shares of E2E): the longest the request may wait and
@@ -211,8 +214,9 @@ def fit(
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
     if tput <= 0:
         return SloFit(candidate, profile, math.inf, -math.inf, cell, above)
-    concurrency = tput * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
-    consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / tput  # no e2e: 1 s a request
+    rate = profile.mix_tputs[i][j]  # >= tput: what the cell costs inside a mix
+    concurrency = rate * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
+    consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / rate  # no e2e: 1 s a request
     at_load = profile.e2e_at(cell, candidate.load + consumption)
     slack = _slack_s(
         profile, cell, request, prompt, output_tokens, math.nan if at_load is None else at_load
