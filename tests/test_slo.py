@@ -260,6 +260,35 @@ def test_least_load_ignores_room_and_pack_load_fills_the_fullest() -> None:
     assert pool.load("ns/f") > 1.0 or pool.load("ns/s") > 1.0
 
 
+def test_pack_load_fills_the_gpu_type_cheapest_per_request_first() -> None:
+    # Slow pods take 0.5 of a pod a request (2 req/s at cost 1), the fast one 0.1 (10 req/s).
+    router, pool, clock, _ = setup(pod("s1", "slow"), pod("s2", "slow"), pod("f", "fast"))
+    pack, least = strategy(router, "slo-pack-load"), strategy(router, "slo-least-load")
+    while pool.load("ns/s1") == 0:  # a slow pod busier than the fast one
+        assert isinstance(router.admit(req(clock), least), Decision)
+    assert pool.load("ns/s1") > pool.load("ns/f")
+    # The fast pod first, until it has no room, then the fullest slow pod with room.
+    keys: list[str] = []
+    while not keys or keys[-1] == "ns/f":
+        decision = router.admit(req(clock), pack)
+        assert isinstance(decision, Decision)
+        keys.append(decision.lease.pod.key)
+    assert len(keys) > 1 and pool.load("ns/f") == pytest.approx(1.0)
+    # Priced per replica, the slow type can be the cheaper per request: then it packs first.
+    pricey = dataclasses.replace(grid_profile("fast", tput=10.0, e2e=1.0), cost=10.0)
+    router, _, clock, _ = setup(
+        pod("s", "slow"),
+        pod("f", "fast"),
+        profiles={
+            profile_key(MODEL, "fast"): pricey,
+            profile_key(MODEL, "slow"): grid_profile("slow", tput=2.0, e2e=1.0),
+        },
+    )
+    pack = strategy(router, "slo-pack-load")
+    picks = [router.admit(req(clock), pack) for _ in range(3)]
+    assert [d.lease.pod.key for d in picks if isinstance(d, Decision)] == ["ns/s", "ns/s", "ns/f"]
+
+
 def test_the_most_urgent_waiter_goes_first() -> None:
     router, _, clock, _ = setup(pod("s", "slow"))
     slo = strategy(router, "slo")

@@ -39,8 +39,11 @@ Strategies (never blended with others):
   waits at the gateway (most urgent first: waited + expected - target) until a lease ends and
   frees room, or is rejected (503) as soon as its SLO can no longer be met;
 - `slo-least-load`: the least loaded pod that can serve the size, room ignored;
-- `slo-pack-load`: the fullest pod that still has room (fewer pods busy); with none, the least
-  loaded, as `slo-least-load`.
+- `slo-pack-load`: the fullest pod that still has room (fewer pods busy), of the GPU type that
+  serves the request for the least (its profile's `cost` over the cell's rate, `SloFit.price`);
+  with none, the least loaded, as `slo-least-load`. Packing the slow type first would fill it
+  to what it sustains of each size alone, where a long prompt's prefill stalls everything
+  decoding beside it; packing the cheapest per request leaves the others idle to scale down.
 
 A request no GPU type can serve within its SLO (every profiled pod at `tputs` 0 in its cell, the
 border cell for a size above the grid) is rejected at once. Pods without a profile are not
@@ -83,6 +86,7 @@ __all__ = [
 
 HISTORY_WINDOW_S = 240.0
 ROOM = 1.0 + 1e-9  # a pod is full at 1.0 (the epsilon absorbs float sums of consumptions)
+PRICE_TIE = 1.0 + 1e-9  # GPU types this close in price per request pack as one
 
 
 def _bucket(tokens: int) -> int:
@@ -158,6 +162,13 @@ class SloFit:
     slack_s: float  # how long it may wait and still make its SLO (inf: only the gateway's bound)
     cell: tuple[int, int] = (0, 0)  # (out, in) in the profile's grid
     above: tuple[str, ...] = ()  # axes on which the request lies above the grid
+
+    @property
+    def price(self) -> float:
+        """What the request costs on this GPU type: the profile's `cost` (per replica) over
+        the rate a replica sustains of its cell inside a mix; inf where it never meets the SLO."""
+        rate = self.profile.mix_tputs[self.cell[0]][self.cell[1]]
+        return self.profile.cost / rate if rate > 0 else math.inf
 
 
 def _slack_s(
@@ -354,8 +365,11 @@ class SloStrategy:
         room = [f for f in servable if _has_room(least_load(f), f.consumption)]
         if self.mode == "least" or (self.mode == "pack" and not room):
             return _Choice(servable, fullest=False)
+        if room and self.mode == "pack":  # the cheapest GPU type per request first
+            cheapest = min(f.price for f in room)
+            return _Choice([f for f in room if f.price <= cheapest * PRICE_TIE], fullest=True)
         if room:
-            return _Choice(room, fullest=self.mode == "pack")
+            return _Choice(room, fullest=False)
         # pulling, and no pod has room: wait while the SLO can still be met.
         slack = max(f.slack_s for f in servable)
         budget = min(slack, self.settings.max_wait_s)
