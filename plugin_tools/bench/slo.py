@@ -72,8 +72,9 @@ class SloBench:
     percentile: int = 99
     max_wait_ms: int = 2000  # HETERO_GATEWAY_SLO_MAX_WAIT_MS
     # The steady sweep's grid: the mix's sizes (prompt tokens as the engine counts 64 and 4,200
-    # words are about 64 and 4,096 ticks), and the rates it may offer.
-    inputs: tuple[int, ...] = (64, 4096)
+    # words are about 64 and 4,096 ticks) and 1,024 between them, from which the profile says
+    # what a 4k prompt costs inside the mix (`GpuProfile.mix_tputs`); the rates it may offer.
+    inputs: tuple[int, ...] = (64, 1024, 4096)
     outputs: tuple[int, ...] = (32,)
     rate_floor: float = 0.1
     rate_limit: float = 128.0
