@@ -58,6 +58,7 @@ GPU = "a100"
 DRAWS = 20_000  # chat requests drawn to weigh the cells
 ISSUE_CELLS = ((32, 256), (128, 256), (1024, 256), (4096, 64))  # (input, output)
 ORACLE_REQUESTS = 2400
+AIBRIX_RULES = {"AIBrix's rule, 100 prompts": 100, "AIBrix's rule, 400 prompts": 400}
 AIBRIX_GRID = SweepGrid(
     tuple(int(v) for v in doubling(128, 2048)),
     tuple(int(v) for v in doubling(4, 512)),
@@ -128,12 +129,12 @@ def main() -> int:
     grid = grid_for(CHAT)
     profiles = {
         "steady-state sweep (default)": simulated_profile(gpu, grid, DEFAULT_SLO, MODEL),
-        "AIBrix's rule, 100 prompts": simulated_profile(
-            gpu, replace(grid, rule="aibrix"), DEFAULT_SLO, MODEL
-        ),
-        "AIBrix's rule, 400 prompts": simulated_profile(
-            gpu, replace(grid, rule="aibrix", prompts=400), DEFAULT_SLO, MODEL
-        ),
+        **{
+            name: simulated_profile(
+                gpu, replace(grid, rule="aibrix", prompts=prompts), DEFAULT_SLO, MODEL
+            )
+            for name, prompts in AIBRIX_RULES.items()
+        },
     }
     steady = profiles["steady-state sweep (default)"]
     cells = Counter(steady.cell(p, o) for p, o in sizes)
@@ -183,7 +184,7 @@ def main() -> int:
     ]
     for inp, out in ISSUE_CELLS:
         i, j = steady.out_ticks.index(out), steady.in_ticks.index(inp)
-        row = [profiles[name].tputs[i][j] for name in list(profiles)[1:3]]
+        row = [profiles[name].tputs[i][j] for name in AIBRIX_RULES]
         o = oracle.tputs[i][j] if (i, j) in cells else oracle_rate(gpu, (inp, out), row[0])
         values = [steady.tputs[i][j], steady.mix_tputs[i][j], *row, o]
         lines.append(f"| {inp}:{out} | " + " | ".join(f"{v:.2f}" for v in values) + " |")

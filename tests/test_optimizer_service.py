@@ -184,6 +184,10 @@ async def test_plan_follows_traffic_in_hundredths(
     assert plan["traffic"]["rate"] == pytest.approx(24.0)
     assert plan["cells"][0]["input_tokens"] == pytest.approx(512, rel=0.01)
     assert plan["cells"][0]["output_tokens"] == pytest.approx(64, rel=0.01)
+    # What each cell costs inside a mix, beside what a replica sustains of it alone.
+    cell = plan["cells"][0]
+    assert set(cell["mix_tputs"]) == set(cell["tputs"]) == {f"default/{A100}", f"default/{A40}"}
+    assert all(cell["mix_tputs"][d] >= cell["tputs"][d] > 0 for d in cell["tputs"])
     # The optimizer's own metrics.
     async with http.get(f"{harness.url}/metrics") as resp:
         own = await resp.text()
