@@ -1160,7 +1160,7 @@ async def test_the_counting_stream_tells_the_pool_when_the_prompt_was_prefilled(
     endpoint = headers["target-pod"].decode()
     key = running.key_of(endpoint)
     prompt = int(headers[PROMPT_TOKENS_HEADER])
-    assert prompt > 0 and pool._inflight_prompt[key] == prompt  # routed, not started
+    assert prompt > 0 and pool.prompt_tokens(key) == (prompt, 0)  # routed, not started
     calls: list[tuple[Any, ...]] = []
     for name in ("stream_started", "stream_ended"):
         real = getattr(PodPool, name)
@@ -1177,7 +1177,7 @@ async def test_the_counting_stream_tells_the_pool_when_the_prompt_was_prefilled(
     # Five tokens in four data events (three deltas and the usage): 1.25 tokens a chunk.
     assert calls == [("stream_started", key, prompt), ("stream_ended", key, prompt, 5, 4)]
     assert pool.snapshot(running.gateway.router.now())["pods"][key]["tokens_per_chunk"] == 1.25
-    assert key not in pool._inflight_prompt and key not in pool._streaming_prompt
+    assert pool.prompt_tokens(key) == (0, 0)
 
 
 async def test_a_lease_no_counting_stream_claims_is_given_back(running: Running) -> None:

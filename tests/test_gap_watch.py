@@ -22,6 +22,7 @@ from plugin.core.capacity import (
     GapWatch,
     SpeedWatch,
 )
+from plugin.core.pod_speed import PodSpeed
 from plugin.core.pool import PodPool
 from plugin.core.types import EngineMetrics, Pod
 
@@ -307,6 +308,18 @@ def _pool_with_streams(n: int) -> PodPool:
     return pool
 
 
+def _speed(pool: PodPool) -> PodSpeed:
+    speed = pool.speed(POD.key)
+    assert speed is not None
+    return speed
+
+
+def _gaps(pool: PodPool) -> GapWatch:
+    gaps = _speed(pool).gaps
+    assert gaps is not None
+    return gaps
+
+
 def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out() -> None:
     pool = _pool_with_streams(20)
     est = pool._capacity  # the estimate the candidates carry
@@ -321,7 +334,7 @@ def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out()
     # read.
     for _ in range(2000):
         pool.observe_chunk_gap(POD.key, 0.1)
-    assert pool._gaps[POD.key].gap is None  # no round was read
+    assert _gaps(pool).gap is None  # no round was read
     for _ in range(20):
         pool.stream_started(POD.key, PROMPT)
     for _ in range(int(3 * SHIFT_TAU_S / 0.03) * 20):
@@ -333,19 +346,20 @@ def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out()
     seen = pool.snapshot(10.0)["pods"][POD.key]
     assert seen["speed_changes"] == seen["speed_changes_from_chunk_gaps"] == 1
     pool.stream_ended(POD.key, PROMPT)
-    assert pool._streaming_prompt[POD.key] == 19 * PROMPT
+    assert pool.prompt_tokens(POD.key)[1] == 19 * PROMPT
 
 
 def test_prompt_tokens_waiting_come_off_when_a_request_starts_or_ends_without_starting() -> None:
     pool = _pool_with_streams(3)
     leases = [pool.acquire(POD, prompt_tokens=7) for _ in range(2)]
-    assert pool._inflight_prompt[POD.key] == 3 * PROMPT + 14
+    assert pool.prompt_tokens(POD.key)[0] == 3 * PROMPT + 14
     pool.stream_started(POD.key, 7)
     leases[1].release(0, 502, 1.0)  # failed before its first chunk: never started
-    assert pool._inflight_prompt[POD.key] - pool._streaming_prompt[POD.key] == 3 * PROMPT
+    inflight, streaming = pool.prompt_tokens(POD.key)
+    assert inflight - streaming == 3 * PROMPT
     pool.stream_ended(POD.key, 7)
     leases[0].release(5, 200, 1.0)
-    assert pool._inflight_prompt[POD.key] == 3 * PROMPT and POD.key not in pool._streaming_prompt
+    assert pool.prompt_tokens(POD.key) == (3 * PROMPT, 0)
 
 
 def test_a_change_the_gaps_saw_is_not_acted_on_again_by_the_scrape_watch() -> None:
@@ -387,9 +401,9 @@ def test_a_response_times_its_events_for_its_pod(monkeypatch: pytest.MonkeyPatch
     )
     event = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
     tokens.feed(b": keep-alive\n\n", False)  # no event: nothing timed, not started
-    assert POD.key not in pool._streaming_prompt
+    assert pool.prompt_tokens(POD.key)[1] == 0
     tokens.feed(event, False)
-    assert pool._streaming_prompt[POD.key] == PROMPT  # the first event: its prefill is over
+    assert pool.prompt_tokens(POD.key)[1] == PROMPT  # the first event: its prefill is over
     now[0] += 0.05
     tokens.feed(event, False)
     now[0] += 0.2
@@ -398,7 +412,7 @@ def test_a_response_times_its_events_for_its_pod(monkeypatch: pytest.MonkeyPatch
     tokens.feed(b"data: [DONE]\n\n", True)
     tokens.close_gaps()
     tokens.close_gaps()  # once
-    assert POD.key not in pool._streaming_prompt
+    assert pool.prompt_tokens(POD.key)[1] == 0
 
 
 def test_streams_that_outlive_a_pods_absence_still_end() -> None:
@@ -418,7 +432,7 @@ def test_streams_that_outlive_a_pods_absence_still_end() -> None:
     for lease in old:
         pool.stream_ended(POD.key, PROMPT)
         lease.release(10, 200, 1.0)
-    assert pool._streaming_prompt[POD.key] == pool._inflight_prompt[POD.key] == 3 * PROMPT
+    assert pool.prompt_tokens(POD.key) == (3 * PROMPT, 3 * PROMPT)
     assert pool.inflight(POD.key) == 3
 
 
@@ -447,13 +461,13 @@ def test_the_pool_learns_tokens_a_chunk_from_reported_counts_and_forgets_them_on
         return value
 
     response(10, usage=False)  # counted by its events: an estimate says nothing of k
-    assert POD.key in pool._gaps and per_chunk() is None
+    assert _speed(pool).gaps is not None and per_chunk() is None
     response(10, usage=True)  # 80 tokens in ten events and the usage one
     assert per_chunk() == pytest.approx(80 / 11, abs=0.01)
     # The engine's token counter went back: a restart, perhaps with another stream interval.
     pool.update_metrics(POD.key, EngineMetrics(2.0, 0.0, 0.3, generation_tokens=5000.0), 1.0)
     pool.update_metrics(POD.key, EngineMetrics(2.0, 0.0, 0.3, generation_tokens=10.0), 2.0)
-    assert POD.key not in pool._gaps
+    assert _speed(pool).gaps is None
 
 
 def test_the_pool_reads_no_gaps_while_the_kv_cache_is_full() -> None:

@@ -76,7 +76,7 @@ class EngineMetrics:
     # histograms (vLLM's `vllm:request_queue_time_seconds`, `vllm:inter_token_latency_seconds`;
     # vLLM observes a request's queue time when it finishes): how long the requests that
     # finished between two scrapes had waited, in engine steps, tells a queue held by a full
-    # batch from one that waits for the next step (`PodPool._learn_saturation`).
+    # batch from one that waits for the next step (`BatchCap`, `plugin.core.batch_cap`).
     queue_time_sum: float | None = None
     queue_time_count: float | None = None
     token_latency_sum: float | None = None
@@ -93,7 +93,7 @@ class Candidate:
     kv_usage: float | None  # 0..1; None when unknown, stale or NaN
     capacity: float | None  # learned output tokens/s; None before the first estimate
     # In-flight requests at which the engine's batch is full: its declared cap (or the one its
-    # engine exports), or its learned cap plus a 1/64 slack (`PodPool._full_at`); None while no
+    # engine exports), or its learned cap plus a 1/64 slack (`BatchCap.full_at`); None while no
     # cap is known.
     saturation: int | None = None
     # Share of the pod this gateway's requests take by their strategies' accounting (SLO
