@@ -37,7 +37,7 @@ from plugin.core.profile import GpuProfile, ProfileBook, parse_profile, profile_
 from plugin.core.request import parse_request
 from plugin.core.router import Decision, Router
 from plugin.core.strategies import Route, Strategy, build_strategies
-from plugin.core.strategies.gate import Gated, ImbalanceGate, ImbalanceSettings
+from plugin.core.strategies.gate import ImbalanceGate, ImbalanceSettings, Wrapped
 from plugin.core.types import EngineMetrics, Pod
 from plugin_tools.docsection import write_section
 from plugin_tools.stats import percentile
@@ -127,7 +127,7 @@ def measure(n: int, profiles: dict[str, GpuProfile]) -> dict[str, dict[str, tupl
     # `serve` puts the capacity-aware imbalance gate ahead of load-balance by default.
     variants: dict[str, Strategy] = {
         **built,
-        GATED: Gated(built["load-balance"], ImbalanceGate(ImbalanceSettings())),
+        GATED: Wrapped(built["load-balance"], gate=ImbalanceGate(ImbalanceSettings())),
     }
     for name, strategy in sorted(variants.items()):
         # Each strategy on a pool of its own, as a gateway runs one: the same state every time.

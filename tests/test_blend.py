@@ -24,7 +24,7 @@ MODEL = "m"
 
 
 @dataclass
-class Table:
+class Table(Strategy):
     """A scoring strategy whose scores are given per pod name; records what was routed."""
 
     name: str
@@ -45,7 +45,7 @@ class Table:
 
 
 @dataclass
-class Exclusive:
+class Exclusive(Strategy):
     name: str = "slo"
     needs_profiles: bool = True
 

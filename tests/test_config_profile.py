@@ -11,12 +11,12 @@ import pytest
 from plugin.adapters.discovery import parse_pods
 from plugin.adapters.kubernetes import pod_from_object
 from plugin.core.capacity import CapacityEstimator
-from plugin.core.config_profile import ModelConfig, parse_model_config
+from plugin.core.config_profile import ModelConfig, overridden, parse_model_config
 from plugin.core.pool import PodPool
 from plugin.core.router import Decision, Router
-from plugin.core.strategies import build_strategies
+from plugin.core.strategies import build_strategies, strategy_names
 from plugin.core.strategies.blend import AutoBlend, Blend
-from plugin.core.strategies.gate import Gated, ImbalanceGate, ImbalanceSettings
+from plugin.core.strategies.gate import ImbalanceGate, ImbalanceSettings, Wrapped
 from plugin.core.strategies.load_balance import LoadBalance, LoadBalanceSettings
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
 from tests.test_kubernetes_source import pod_obj
@@ -63,7 +63,7 @@ AUTO_DOC = {
 
 
 def config(doc: object) -> ModelConfig:
-    parsed, problems = parse_model_config(orjson.dumps(doc))
+    parsed, problems = parse_model_config(orjson.dumps(doc), strategy_names())
     assert parsed is not None, problems
     return parsed
 
@@ -118,7 +118,7 @@ def test_invalid_values_are_reported_and_ignored_and_the_rest_applies() -> None:
             "broken": "not an object",
         }
     }
-    parsed, problems = parse_model_config(orjson.dumps(doc))
+    parsed, problems = parse_model_config(orjson.dumps(doc), strategy_names())
     assert parsed is not None and list(parsed.profiles) == ["default"]
     profile = parsed.profiles["default"]
     assert profile.routing_strategy is None
@@ -139,7 +139,7 @@ def test_invalid_values_are_reported_and_ignored_and_the_rest_applies() -> None:
 
 @pytest.mark.parametrize("raw", [b"{", b"[]", b'{"profiles": {}}', b'{"profiles": {"a": 1}}'])
 def test_an_unusable_document_gives_no_config_and_says_why(raw: bytes) -> None:
-    parsed, problems = parse_model_config(raw)
+    parsed, problems = parse_model_config(raw, strategy_names())
     assert parsed is None and problems
 
 
@@ -155,14 +155,15 @@ def test_a_profile_overrides_only_what_it_names() -> None:
         }
     }
     profile = config(doc).profiles["default"]
-    assert profile.load_balance_settings(LoadBalanceSettings(kv_pressure_alpha=3.0)) == (
-        LoadBalanceSettings(kv_pressure_alpha=3.0, kv_critical_free=0.3)
-    )
-    assert profile.imbalance_settings(ImbalanceSettings(factor=4.0)) == ImbalanceSettings(
+    balance = LoadBalance(LoadBalanceSettings(kv_pressure_alpha=3.0)).for_profile(profile)
+    assert balance.params == LoadBalanceSettings(kv_pressure_alpha=3.0, kv_critical_free=0.3)
+    assert overridden(ImbalanceSettings(factor=4.0), profile.imbalance) == ImbalanceSettings(
         min_gap=2, factor=4.0
     )
-    assert profile.imbalance_settings(None) is None  # a gate that is off stays off
-    assert profile.auto_blend_settings(AutoBlend()) == AutoBlend(least_request_weight=7)
+    assert overridden(None, profile.imbalance) is None  # a gate that is off stays off
+    assert overridden(AutoBlend(), profile.auto_blend) == AutoBlend(least_request_weight=7)
+    plain = LoadBalance(LoadBalanceSettings())
+    assert plain.for_profile(config({"profiles": {"p": {}}}).profiles["p"]) is plain
 
 
 # where profiles come from -------------------------------------------------------------------
@@ -272,12 +273,13 @@ def test_a_profile_s_auto_blend_and_gate_settings_apply_and_are_cached() -> None
     first, _ = router.select(RequestInfo(MODEL), "least-request", None)
     again, _ = router.select(RequestInfo(MODEL), "least-request", None)
     assert first is again
-    assert isinstance(first, Gated) and first.gate.settings.min_gap == 1
+    assert isinstance(first, Wrapped) and first.gate is not None
+    assert first.gate.settings.min_gap == 1
     blend = first.inner
     assert isinstance(blend, Blend)
     assert [(s.name, w) for s, w in blend.members] == [("least-request", 3), ("load-balance", 1)]
     balance = router.select(RequestInfo(MODEL), "load-balance", None)[0]
-    assert isinstance(balance, Gated) and isinstance(balance.inner, LoadBalance)
+    assert isinstance(balance, Wrapped) and isinstance(balance.inner, LoadBalance)
 
 
 def test_a_profile_naming_a_strategy_this_gateway_lacks_routes_by_the_default() -> None:
@@ -300,5 +302,5 @@ def test_a_profile_naming_a_strategy_this_gateway_lacks_routes_by_the_default() 
         decision = router.admit(RequestInfo(MODEL), strategy)
         assert isinstance(decision, Decision)
         decision.lease.release()
-    _, problems = parse_model_config(orjson.dumps(doc))
+    _, problems = parse_model_config(orjson.dumps(doc), strategy_names())
     assert any("no least-latency" in p for p in problems) and any("no pd" in p for p in problems)

@@ -797,7 +797,7 @@ async def test_http_metrics_and_readiness(running: Running) -> None:
 
 
 @dataclass(frozen=True)
-class OnePerPod:
+class OnePerPod(Strategy):
     """Routes to a pod with nothing in flight; holds the request while every pod is busy."""
 
     wait_s: float
@@ -1016,7 +1016,7 @@ async def test_external_filter_header_narrows_the_pods_and_a_bad_one_is_400(
 
 
 @dataclass(frozen=True)
-class Predicting:
+class Predicting(Strategy):
     """Routes to the first pod and predicts the request takes `expected_s` end to end."""
 
     expected_s: float

@@ -15,8 +15,8 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Decision, Router
 from plugin.core.strategies import LoadBalanceSettings, Route, build_strategies
-from plugin.core.strategies.base import Admission, Scorer
-from plugin.core.strategies.gate import Gated, ImbalanceGate, ImbalanceSettings
+from plugin.core.strategies.base import Admission, Scorer, Strategy
+from plugin.core.strategies.gate import ImbalanceGate, ImbalanceSettings, Wrapped
 from plugin.core.types import Candidate, EngineMetrics, Pod, RequestInfo
 from plugin.core.view import CandidateView
 
@@ -197,10 +197,10 @@ def check_same(view: CandidateView, seed: int) -> None:
         assert indexed_gate.fired == plain_gate.fired
         # and through the wrapper, the gate's draw and then load-balance's
         lb = LOAD_BALANCE
-        on_view = Gated(lb, ImbalanceGate(gate_settings)).admit(
+        on_view = Wrapped(lb, gate=ImbalanceGate(gate_settings)).admit(
             view, request, random.Random(seed), 0
         )
-        on_list = Gated(lb, ImbalanceGate(gate_settings)).admit(
+        on_list = Wrapped(lb, gate=ImbalanceGate(gate_settings)).admit(
             plain, request, random.Random(seed), 0
         )
         assert answers(on_view) == answers(on_list)
@@ -281,7 +281,7 @@ def test_a_large_pool_is_not_walked_per_request(monkeypatch: pytest.MonkeyPatch)
 
 
 # The wrapper -------------------------------------------------------------------------------
-class Learner:
+class Learner(Strategy):
     """A scoring strategy that learns where requests went (as prefix-cache does)."""
 
     name = "learner"
@@ -305,21 +305,22 @@ class Learner:
 def test_gated_stands_where_the_strategy_stood() -> None:
     gate = ImbalanceGate()
     learner = Learner()
-    gated = Gated(learner, gate)
+    gated = Wrapped(learner, gate=gate)
     assert gated.name == "learner"
     assert isinstance(gated, Scorer) and gated.higher_is_better
     assert gated.scores(fleet([1, 2]), RequestInfo(MODEL)) == [1.0, 2.0]
-    assert gated.routed is not None
     gated.routed(fleet([0])[0], RequestInfo(MODEL))
     assert learner.seen == ["p0"]
-    plain = Gated(build_strategies()["random"], gate)  # neither scores nor learns
+    plain = Wrapped(build_strategies()["random"], gate=gate)  # does not score
     assert plain.name == "random"
-    assert not isinstance(plain, Scorer) and plain.routed is None
+    assert not isinstance(plain, Scorer)
+    renamed = Wrapped(learner, "learner:2")
+    assert renamed.name == "learner:2" and renamed.gate is None
 
 
 def test_gated_routes_where_the_gate_says_and_counts_per_model() -> None:
     gate = ImbalanceGate(RAW)
-    gated = Gated(Learner(), gate)
+    gated = Wrapped(Learner(), gate=gate)
     balanced, skewed = fleet([3, 3, 4]), fleet([0, 1, 30])
     answer = gated.admit(balanced, RequestInfo(MODEL), random.Random(0), 0.0)
     assert isinstance(answer, Route) and answer.candidate is balanced[-1]  # the strategy's
@@ -334,7 +335,7 @@ def test_the_gate_draws_nothing_when_it_does_not_fire() -> None:
     lb = build_strategies()["load-balance"]
     for seed in range(10):
         alone = lb.admit(cands, RequestInfo(MODEL), random.Random(seed), 0.0)
-        gated = Gated(lb, ImbalanceGate()).admit(
+        gated = Wrapped(lb, gate=ImbalanceGate()).admit(
             cands, RequestInfo(MODEL), random.Random(seed), 0.0
         )
         assert answers(alone) == answers(gated)
@@ -344,7 +345,7 @@ def test_through_the_router_the_gate_routed_request_is_learned_and_leased() -> N
     pool, model_pods = learned_pool([100, 100, 100, 100])
     held = [pool.acquire(model_pods[0]) for _ in range(12)]
     learner = Learner()
-    gated = Gated(learner, ImbalanceGate())
+    gated = Wrapped(learner, gate=ImbalanceGate())
     router = Router(pool, {"learner": gated}, "learner", random.Random(0), lambda: 1.0)
     decision = router.admit(RequestInfo(MODEL), gated)
     assert isinstance(decision, Decision)

@@ -50,7 +50,7 @@ class Clock:
 
 
 @dataclass
-class Limit:
+class Limit(Strategy):
     """Routes to the least-loaded pod under `limit` in flight; else holds until `arrived + wait_s`.
 
     `extend` makes it push the deadline on every ask (a strategy that wants more time).
@@ -221,7 +221,7 @@ def test_a_waiter_whose_model_lost_its_pods_is_rejected(
 
 def test_a_reject_answer_raises_its_error() -> None:
     @dataclass
-    class Refuse:
+    class Refuse(Strategy):
         name: str = "refuse"
 
         def admit(

@@ -13,6 +13,7 @@ import pytest
 
 from plugin.core.profile import profile_key
 from plugin.core.strategies import Admission, Route, Wait
+from plugin.core.strategies.base import Strategy
 from plugin.core.types import Candidate, RequestInfo, SloTarget
 from plugin_tools.profile.sweep import doubling
 from plugin_tools.sim.engine import PRESETS, GpuProfile, parse_fleet
@@ -62,7 +63,7 @@ def test_the_slo_speaks_the_profile_names() -> None:
 
 # held requests in simulated time -------------------------------------------------------------
 @dataclass
-class Limit:
+class Limit(Strategy):
     """Routes while a pod has fewer than `limit` in flight; else holds the request until
     `arrived_at + wait_s` (with `extend`, until `now + wait_s` at every ask)."""
 
@@ -124,7 +125,7 @@ def test_a_deadline_moved_later_keeps_the_request_waiting() -> None:
 
 
 @dataclass
-class Spy:
+class Spy(Strategy):
     """Routes to the first pod; reads profiles like SLO routing, so the router predicts."""
 
     name: str = "spy"

@@ -31,6 +31,7 @@ import yaml
 
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.config_profile import CONFIG_ANNOTATION, ModelConfig, parse_model_config
+from plugin.core.strategies import strategy_names
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
 
@@ -42,7 +43,7 @@ def model_config_from(raw: str) -> ModelConfig | None:
     """A `model.aibrix.ai/config` document, parsed once per distinct text (every pod of a
     deployment carries the same one, and one object per text lets the router cache by it).
     What the document gets wrong is logged, once, and ignored; the rest applies."""
-    config, problems = parse_model_config(raw)
+    config, problems = parse_model_config(raw, strategy_names())
     for problem in problems:
         log.warning("%s: %s", CONFIG_ANNOTATION, problem)
     return config

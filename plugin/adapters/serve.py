@@ -31,6 +31,7 @@ from plugin.core.profile import ProfileBook
 from plugin.core.router import Router
 from plugin.core.strategies import Strategy, build_strategies
 from plugin.core.strategies.gate import ImbalanceGate
+from plugin.core.strategies.prefix_cache import prefix_stats
 from plugin.core.types import Pod
 from plugin.errors import ConfigError, ShuttingDown
 
@@ -131,9 +132,12 @@ class Gateway:
         # GPU profiles (SLO routing): from the directory when one is set, else from Redis.
         self.profiles = ProfileBook()
         self.pool.use_profiles(self.profiles)
+        if strategies is None:
+            strategies = build_strategies(*settings.strategy_settings())
+        self._prefix_cache = strategies.get("prefix-cache")  # its hit counts are metrics
         self.router = Router(
             self.pool,
-            build_strategies(*settings.strategy_settings()) if strategies is None else strategies,
+            strategies,
             settings.default_strategy,
             random.Random(),
             time.monotonic,
@@ -259,7 +263,7 @@ class Gateway:
             draining=lambda: self.draining,
             waiting=self.router.waiting_by_model,
             imbalance=self.router.imbalance_fired,
-            prefix_cache=self.router.prefix_cache_stats,
+            prefix_cache=lambda: prefix_stats(self._prefix_cache),
             profiles=self.profile_loader,
             waits=self.router.waits,
             predictions=self.router.predictions,

@@ -38,16 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import orjson
 
-from plugin.core.strategies.base import strategy_names
-from plugin.core.strategies.blend import MAX_WEIGHT, AutoBlend, parse_blend
-from plugin.core.strategies.gate import ImbalanceSettings
-from plugin.core.strategies.load_balance import LoadBalanceSettings
+from plugin.core.strategy_list import MAX_WEIGHT, parse_blend
 from plugin.errors import RequestError
 
 __all__ = [
@@ -55,12 +52,14 @@ __all__ = [
     "CONFIG_ANNOTATION",
     "ConfigProfile",
     "ModelConfig",
+    "overridden",
     "parse_model_config",
 ]
 
 CONFIG_ANNOTATION = "model.aibrix.ai/config"
 AUTO = "auto"
 DEFAULT_PROFILE = "default"
+T = TypeVar("T")
 _HINTS = ("promptTokensGte", "promptTokensLt", "maxTokensGte", "maxTokensLt")
 
 
@@ -71,40 +70,16 @@ class ConfigProfile:
     name: str
     routing_strategy: str | None = None
     hints: Mapping[str, int] = field(default_factory=dict)  # promptTokensGte, ... (auto)
-    load_balance: Mapping[str, float] = field(default_factory=dict)  # LoadBalanceSettings fields
-    imbalance: Mapping[str, float] = field(default_factory=dict)  # ImbalanceSettings fields
-    auto_blend: Mapping[str, int] = field(default_factory=dict)  # AutoBlend fields
+    # Fields of the settings they override (`overridden`): LoadBalanceSettings, the imbalance
+    # gate's ImbalanceSettings, AutoBlend.
+    load_balance: Mapping[str, float] = field(default_factory=dict)
+    imbalance: Mapping[str, float] = field(default_factory=dict)
+    auto_blend: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def overrides_routing(self) -> bool:
         """Whether requests of this profile route with other settings than the gateway's."""
         return bool(self.load_balance or self.imbalance or self.auto_blend)
-
-    def load_balance_settings(self, base: LoadBalanceSettings) -> LoadBalanceSettings:
-        lb = self.load_balance
-        if not lb:
-            return base
-        return LoadBalanceSettings(
-            queued_weight=lb.get("queued_weight", base.queued_weight),
-            kv_pressure_alpha=lb.get("kv_pressure_alpha", base.kv_pressure_alpha),
-            kv_critical_free=lb.get("kv_critical_free", base.kv_critical_free),
-            avoid_full_batches=base.avoid_full_batches,
-        )
-
-    def imbalance_settings(self, base: ImbalanceSettings | None) -> ImbalanceSettings | None:
-        """The gate's settings for this profile (a gate that is off stays off)."""
-        if base is None or not self.imbalance:
-            return base
-        return ImbalanceSettings(
-            min_gap=self.imbalance.get("min_gap", base.min_gap),
-            factor=self.imbalance.get("factor", base.factor),
-            capacity_aware=base.capacity_aware,
-        )
-
-    def auto_blend_settings(self, base: AutoBlend | None) -> AutoBlend | None:
-        if base is None or not self.auto_blend:
-            return base
-        return dataclasses.replace(base, **self.auto_blend)
 
     def matches(self, prompt_tokens: int | None, max_tokens: int | None) -> bool:
         """Whether every range hint holds (a hint on an unknown size does not)."""
@@ -155,6 +130,14 @@ class ModelConfig:
         return self.fallback()
 
 
+def overridden(base: T, fields: Mapping[str, Any]) -> T:
+    """`base` (a settings dataclass) with a profile's `fields` in place of its own; None (a
+    feature that is off, such as the imbalance gate) stays None."""
+    if base is None or not fields:
+        return base
+    return cast(T, dataclasses.replace(cast(Any, base), **fields))
+
+
 def _number(value: Any, where: str, problems: list[str], lo: float, hi: float) -> float | None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not (lo <= value <= hi) or (isinstance(value, float) and math.isnan(value)):
@@ -186,7 +169,9 @@ _AUTO_BLEND = {
 }
 
 
-def _profile(name: str, doc: Any, problems: list[str]) -> ConfigProfile | None:
+def _profile(
+    name: str, doc: Any, problems: list[str], strategies: Collection[str]
+) -> ConfigProfile | None:
     where = f"profiles.{name}"
     if not isinstance(doc, dict):
         problems.append(f"{where}: not an object; profile ignored")
@@ -196,7 +181,7 @@ def _profile(name: str, doc: Any, problems: list[str]) -> ConfigProfile | None:
         try:
             if not isinstance(strategy, str):
                 raise TypeError
-            unknown = [n for n, _ in parse_blend(strategy) if n not in strategy_names()]
+            unknown = [n for n, _ in parse_blend(strategy) if n not in strategies]
             if unknown:
                 problems.append(
                     f"{where}.routingStrategy: this gateway has no {', '.join(unknown)[:80]};"
@@ -260,9 +245,11 @@ def _profile(name: str, doc: Any, problems: list[str]) -> ConfigProfile | None:
 
 
 def parse_model_config(
-    raw: str | bytes | Mapping[str, Any],
+    raw: str | bytes | Mapping[str, Any], strategies: Collection[str]
 ) -> tuple[ModelConfig | None, list[str]]:
-    """The config a pod carries, and what in it was ignored and why (for the log)."""
+    """The config a pod carries, and what in it was ignored and why (for the log);
+    `strategies`: the names this gateway routes by (a `routingStrategy` naming another is
+    ignored)."""
     problems: list[str] = []
     if isinstance(raw, str | bytes):
         try:
@@ -279,7 +266,7 @@ def parse_model_config(
     profiles = {
         str(name): profile
         for name, body in profiles_doc.items()
-        if (profile := _profile(str(name), body, problems)) is not None
+        if (profile := _profile(str(name), body, problems, strategies)) is not None
     }
     if not profiles:
         return None, [*problems, "no usable profile; config ignored"]

@@ -13,10 +13,11 @@ candidate's `running`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plugin.core.batch_cap import CapLearning
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.config_profile import ModelConfig
 from plugin.core.pod_speed import PodSpeed
 from plugin.core.pool_state import EjectionPolicy, ModelState, PodRecord, Scraped
 from plugin.core.profile import GpuProfile, ProfileBook
@@ -24,9 +25,6 @@ from plugin.core.shared_tokens import SharedTokens
 from plugin.core.types import Candidate, EngineMetrics, Pod
 from plugin.core.view import CandidateView
 from plugin.errors import NoReadyPod, UnknownModel
-
-if TYPE_CHECKING:  # the config module imports the strategies, which import this floor's types
-    from plugin.core.config_profile import ModelConfig
 
 __all__ = ["EjectionPolicy", "Lease", "PodPool"]
 

@@ -11,15 +11,13 @@ import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plugin.core.batch_cap import BatchCap
+from plugin.core.config_profile import ModelConfig
 from plugin.core.pod_speed import PodSpeed
 from plugin.core.types import EngineMetrics, Pod
 from plugin.core.view import CandidateView
-
-if TYPE_CHECKING:  # the config module imports the strategies, which import this floor's types
-    from plugin.core.config_profile import ModelConfig
 
 __all__ = ["EjectionPolicy", "Health", "ModelState", "PodRecord", "Scraped"]
 

@@ -23,16 +23,14 @@ import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from plugin.core.config_profile import ConfigProfile
+from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
-from plugin.core.strategies.base import Admission
-from plugin.core.strategies.gate import Gated, ImbalanceGate
-from plugin.core.strategies.load_balance import LoadBalance
+from plugin.core.strategies.base import FALLBACK
+from plugin.core.strategies.gate import ImbalanceGate, Wrapped
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import (
     NoMatchingPod,
@@ -198,48 +196,6 @@ def _unheard(message: str) -> None:
     return None
 
 
-def _tell_routed(strategy: Strategy, candidate: Candidate, request: RequestInfo) -> None:
-    """A strategy that learns where requests went (prefix-cache, a blend with it) hears of it."""
-    learn = getattr(strategy, "routed", None)
-    if learn is not None:
-        learn(candidate, request)
-
-
-class Named:
-    """A strategy under the name the client asked for (`least-request:3` routes with
-    least-request; a bare `prefix-cache` with its auto-blend): the echo is the client's."""
-
-    __slots__ = ("inner", "name", "needs_profiles", "routed")
-
-    def __init__(self, inner: Strategy, name: str) -> None:
-        self.inner = inner
-        self.name = name
-        # Asked on every request: copied once instead of raised through __getattr__ when absent.
-        self.needs_profiles: bool = getattr(inner, "needs_profiles", False)
-        self.routed: Callable[[Candidate, RequestInfo], None] | None = getattr(
-            inner, "routed", None
-        )
-
-    def admit(
-        self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
-    ) -> Admission:
-        return self.inner.admit(candidates, request, rng, now)
-
-    def __getattr__(self, attr: str) -> Any:  # profiled, scores, ...
-        if attr in Named.__slots__:  # not set yet (copying): no recursion through `inner`
-            raise AttributeError(attr)
-        return getattr(self.inner, attr)
-
-
-def _any_profiled(strategy: Strategy, candidates: Sequence[Candidate]) -> bool:
-    """Whether some candidate has a GPU profile: the strategy's own `profiled` where it has
-    one (the SLO strategies answer from the view's index), else a pass."""
-    profiled: Callable[[Sequence[Candidate]], bool] | None = getattr(strategy, "profiled", None)
-    if profiled is not None:
-        return profiled(candidates)
-    return any(c.profile is not None for c in candidates)
-
-
 class _Table:
     """Strategies with the settings they route with (the gateway's, or a config profile's),
     and the resolution of `routing-strategy` strings against them, cached."""
@@ -264,10 +220,9 @@ class _Table:
         found = self.resolved.get(text)
         if found is None:
             found = blend.resolve(text, self.strategies, self.auto_blend)
-            if self.gate is not None and not getattr(found, "needs_profiles", False):
-                found = Gated(found, self.gate)
-            if found.name != text:
-                found = Named(found, text)
+            gate = None if found.needs_profiles else self.gate
+            if gate is not None or found.name != text:
+                found = Wrapped(found, text, gate)
             if len(self.resolved) >= _RESOLVED_CACHE:
                 self.resolved.clear()  # clients sending endless variants pay a parse each
             self.resolved[text] = found
@@ -348,15 +303,7 @@ class Router:
         if not keys:
             return
         for strategy in self._strategies.values():
-            forget = getattr(strategy, "forget", None)
-            if forget is not None:
-                forget(*keys)
-
-    def prefix_cache_stats(self) -> dict[str, tuple[int, int, int]]:
-        """Per model: (requests, prompt blocks, matched blocks) of requests routed with
-        prefix-cache, alone or blended (none without that strategy)."""
-        stats = getattr(self._strategies.get("prefix-cache"), "stats", None) or {}
-        return {m: (s.requests, s.prompt_blocks, s.matched_blocks) for m, s in stats.items()}
+            strategy.forget(*keys)
 
     def imbalance_fired(self) -> dict[str, int]:
         """Requests the imbalance gates routed themselves, per model (none without a gate)."""
@@ -465,17 +412,14 @@ class Router:
         if len(self._profiles) >= _RESOLVED_CACHE:
             self._profiles.clear()
         base = self._table
-        strategies = dict(base.strategies)
-        balance = strategies.get("load-balance")
-        if profile.load_balance and isinstance(balance, LoadBalance):
-            strategies["load-balance"] = LoadBalance(profile.load_balance_settings(balance.params))
+        strategies = {name: s.for_profile(profile) for name, s in base.strategies.items()}
         base_gate = base.gate.settings if base.gate is not None else None
-        gate_settings = profile.imbalance_settings(base_gate)
+        gate_settings = overridden(base_gate, profile.imbalance)
         gate = base.gate
         if gate_settings is not None and gate_settings != base_gate:
             gate = ImbalanceGate(gate_settings)
             self._profile_gates.append(gate)
-        table = _Table(strategies, profile.auto_blend_settings(base.auto_blend), gate)
+        table = _Table(strategies, overridden(base.auto_blend, profile.auto_blend), gate)
         self._profiles[id(profile)] = (profile, table)
         return table
 
@@ -489,8 +433,8 @@ class Router:
         now = self._clock()
         candidates = self._candidates(request, now)
         asked = strategy  # the name the client sees echoed, whoever routes
-        if getattr(strategy, "needs_profiles", False):
-            if not _any_profiled(strategy, candidates):
+        if strategy.needs_profiles:
+            if not strategy.profiled(candidates):
                 strategy = self._without_profiles()
             else:
                 predicted = self.history.predict(request.model, request.prompt_tokens, now)
@@ -499,7 +443,7 @@ class Router:
         answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
             lease = self.pool.acquire(answer.candidate.pod, answer.load, request.prompt_tokens)
-            _tell_routed(strategy, answer.candidate, request)
+            strategy.routed(answer.candidate, request)
             return self._decided(answer, request, asked.name, lease, now)
         if type(answer) is Reject:
             raise answer.error
@@ -525,8 +469,8 @@ class Router:
 
     def _without_profiles(self) -> Strategy:
         default = self._default_strategy
-        if getattr(default, "needs_profiles", False):
-            return self._strategies["least-request"]
+        if default.needs_profiles:
+            return self._strategies[FALLBACK]
         return default
 
     def route(self, request: RequestInfo, strategy: Strategy) -> Decision:
@@ -603,7 +547,7 @@ class Router:
             lease = self.pool.acquire(
                 answer.candidate.pod, answer.load, waiter.request.prompt_tokens
             )
-            _tell_routed(strategy, answer.candidate, waiter.request)
+            strategy.routed(answer.candidate, waiter.request)
             decision = self._decided(answer, waiter.request, strategy.name, lease, now)
             self._settled(waiter, decision, None)
         elif type(answer) is Reject:

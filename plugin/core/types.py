@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from plugin.core.config_profile import ModelConfig
 from plugin.core.profile import GpuProfile
 from plugin.core.selector import LabelSelector
-
-if TYPE_CHECKING:  # config_profile imports the strategies, which import these types
-    from plugin.core.config_profile import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

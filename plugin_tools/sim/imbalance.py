@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plugin.core.strategies import Strategy
-from plugin.core.strategies.gate import Gated, ImbalanceGate, ImbalanceSettings
+from plugin.core.strategies.gate import ImbalanceGate, ImbalanceSettings, Wrapped
 from plugin.core.types import SloTarget
 from plugin_tools.docsection import write_section
 from plugin_tools.sim.engine import parse_fleet
@@ -86,12 +86,12 @@ class GateStudy:
 
 def _strategy(
     scenario: Scenario, settings: ImbalanceSettings | None
-) -> tuple[Strategy, Gated | None]:
+) -> tuple[Strategy, ImbalanceGate | None]:
     inner = make_strategy(STRATEGY, scenario)
     if settings is None:
         return inner, None
-    gated = Gated(inner, ImbalanceGate(settings))
-    return gated, gated
+    gate = ImbalanceGate(settings)
+    return Wrapped(inner, gate=gate), gate
 
 
 def gate_study(
@@ -119,7 +119,7 @@ def gate_study(
     for load in loads:
         requests = scenario.requests(load * g_star)
         for variant, settings in VARIANTS:
-            strategy, gated = _strategy(scenario, settings)
+            strategy, gate = _strategy(scenario, settings)
             result = simulate(
                 scenario.profiles,
                 strategy,
@@ -130,7 +130,7 @@ def gate_study(
                 max_tokens=lengths.max_output,
             )
             figures = summarize(result, slo)
-            fired = 0 if gated is None else gated.gate.fired.get(MODEL, 0)
+            fired = 0 if gate is None else gate.fired.get(MODEL, 0)
             rows.append(
                 GateRow(
                     variant,

@@ -23,11 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from plugin.core.config_profile import ConfigProfile
 from plugin.core.profile import ProfiledRoute
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import RequestError, RoutingFailed
 
 __all__ = [
+    "FALLBACK",
     "Admission",
     "Picker",
     "Reject",
@@ -88,21 +90,47 @@ class Wait:
 Admission = Route | Reject | Wait
 
 
-class Strategy(Protocol):
-    @property
-    def name(self) -> str: ...
+class Strategy(ABC):
+    """A routing strategy: `admit` decides; the hooks below have defaults, so a strategy
+    defines only the ones it uses, and the router calls them on every strategy."""
 
+    __slots__ = ()
+    name: str
+    # Reads GPU profiles (`Candidate.profile`): the router predicts the request's output length
+    # for it, routes a model none of whose pods has a profile with `FALLBACK`, and keeps the
+    # strategy out of the imbalance gate (it keeps its own pod choice, as AIBrix's slo* do).
+    needs_profiles: bool = False
+
+    @abstractmethod
     def admit(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
     ) -> Admission: ...
+
+    def profiled(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether some candidate has a GPU profile (asked of strategies that need one)."""
+        return any(c.profile is not None for c in candidates)
+
+    def routed(self, candidate: Candidate, request: RequestInfo) -> None:  # noqa: B027
+        """Told after every request routed with this strategy, alone or in a blend."""
+
+    def forget(self, *keys: str) -> None:  # noqa: B027
+        """These pods left discovery: a strategy that remembers pods forgets them, so one that
+        comes back under the same name is not credited with what it lost."""
+
+    def for_profile(self, profile: ConfigProfile) -> Strategy:
+        """The strategy with a model config profile's overrides (itself if none apply)."""
+        return self
+
+
+# The strategy a model none of whose pods has a GPU profile routes by when the chosen one (and
+# the default) needs profiles.
+FALLBACK = "least-request"
 
 
 @runtime_checkable
 class Scorer(Protocol):
     """A strategy that can also score each candidate, so it can take part in a blend
-    (`plugin.core.strategies.blend`): scores are normalised per request over the finite ones.
-    A strategy may also define `routed(candidate, request)`: the router calls it after every
-    request it routes with that strategy, alone or in a blend (prefix-cache learns from it)."""
+    (`plugin.core.strategies.blend`): scores are normalised per request over the finite ones."""
 
     name: str
     higher_is_better: bool
@@ -112,12 +140,15 @@ class Scorer(Protocol):
         the worst normalised score, 0)."""
         ...
 
+    def routed(self, candidate: Candidate, request: RequestInfo) -> None:
+        """As `Strategy.routed`: a blend tells its members where a request went."""
+        ...
 
-class Picker(ABC):
+
+class Picker(Strategy):
     """A strategy that never holds a request: it only picks among the candidates."""
 
     __slots__ = ()
-    name: str
 
     def admit(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float

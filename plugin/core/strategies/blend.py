@@ -37,42 +37,13 @@ from dataclasses import dataclass
 
 from plugin.core.strategies.base import Admission, Route, Scorer, Strategy, require_candidates
 from plugin.core.strategies.simple import random_min
+from plugin.core.strategy_list import MAX_WEIGHT, parse_blend
 from plugin.core.types import Candidate, RequestInfo
 from plugin.errors import UnknownStrategy
 
 __all__ = ["MAX_WEIGHT", "AutoBlend", "Blend", "normalise", "parse_blend", "resolve"]
 
-MAX_WEIGHT = 1_000_000
-MAX_BLEND_CHARS = 256  # a header longer than this is refused, not parsed
-MAX_MEMBERS = 8
 LOAD_BALANCE = "load-balance"
-
-
-def parse_blend(text: str) -> list[tuple[str, int]]:
-    """`a:2,b,c:0` -> [("a", 2), ("b", 1), ("c", 0)]; malformed -> UnknownStrategy (400)."""
-    text = text.strip()
-    if len(text) > MAX_BLEND_CHARS:
-        raise UnknownStrategy(text[:64], f"routing strategy list longer than {MAX_BLEND_CHARS}")
-    members: list[tuple[str, int]] = []
-    for raw in text.split(","):
-        name, sep, weight_text = raw.strip().partition(":")
-        name = name.strip()
-        if not name:
-            raise UnknownStrategy(text, "empty strategy name in the list")
-        weight = 1
-        if sep:
-            weight_text = weight_text.strip()
-            if not weight_text.isdigit() or int(weight_text) > MAX_WEIGHT:
-                raise UnknownStrategy(
-                    text, f"weight of {name} must be an integer from 0 to {MAX_WEIGHT}"
-                )
-            weight = int(weight_text)
-        if any(n == name for n, _ in members):
-            raise UnknownStrategy(text, f"{name} is named twice")
-        members.append((name, weight))
-    if len(members) > MAX_MEMBERS:
-        raise UnknownStrategy(text, f"at most {MAX_MEMBERS} strategies in a list")
-    return members
 
 
 def normalise(scores: Sequence[float], higher_is_better: bool) -> list[float]:
@@ -89,7 +60,7 @@ def normalise(scores: Sequence[float], higher_is_better: bool) -> list[float]:
     return [(hi - s) / span if math.isfinite(s) else 0.0 for s in scores]
 
 
-class Blend:
+class Blend(Strategy):
     """Route to the candidate with the highest weighted sum of normalised member scores."""
 
     __slots__ = ("members", "name")
@@ -113,9 +84,7 @@ class Blend:
     def routed(self, candidate: Candidate, request: RequestInfo) -> None:
         """Tell members that learn from routed requests (prefix-cache) where this one went."""
         for scorer, _ in self.members:
-            learn = getattr(scorer, "routed", None)
-            if learn is not None:
-                learn(candidate, request)
+            scorer.routed(candidate, request)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +112,7 @@ class AutoBlend:
 
 
 def _exclusive(strategy: Strategy) -> bool:
-    return bool(getattr(strategy, "needs_profiles", False))
+    return strategy.needs_profiles
 
 
 def resolve(text: str, strategies: Mapping[str, Strategy], auto: AutoBlend | None) -> Strategy:

@@ -58,7 +58,7 @@ from plugin.core.strategies.simple import random_min
 from plugin.core.types import Candidate, RequestInfo
 from plugin.core.view import CandidateView, choose_tied, tied_run, usable_capacity
 
-__all__ = ["Gated", "ImbalanceGate", "ImbalanceSettings"]
+__all__ = ["ImbalanceGate", "ImbalanceSettings", "Wrapped"]
 
 # Capacity-aware loads are ratios of floats: with equal capacities they may land an ulp off the
 # integer counts AIBrix compares. A load this close (relative) to a whole number of requests is
@@ -248,44 +248,52 @@ class ImbalanceGate:
         return choose_tied([tied_run(room, target)], view.slots, rng)
 
 
-class Gated:
-    """A strategy behind an imbalance gate: when the gate fires the request goes where it says,
-    else the strategy decides. Anything else (name, `routed`, `scores`, `needs_profiles`, ...)
-    is the strategy's, so a gated strategy stands where the strategy stood.
+class Wrapped(Strategy):
+    """A strategy under another name and/or behind an imbalance gate; everything else (the
+    hooks, and `scores` for blends) is the strategy's, so it stands where the strategy stood.
 
-    AIBrix exempts its exclusive strategies (pd, slo*) from the gate: they keep their own pod
-    subsets, and a request the gate routes bypasses them. In a blend, gate the blend: `scores`
-    pass through ungated.
+    - `name`: what the client asked for (`least-request:3` routes with least-request, a bare
+      `prefix-cache` with its auto-blend): the echo is the client's string.
+    - `gate`: when it fires the request goes where it says, else the strategy decides. AIBrix
+      exempts its exclusive strategies (pd, slo*) from the gate: they keep their own pod
+      subsets, and a request the gate routes bypasses them. In a blend, gate the blend:
+      `scores` pass through ungated.
     """
 
-    __slots__ = ("gate", "inner", "needs_profiles", "routed")
+    __slots__ = ("gate", "inner", "name", "needs_profiles")
 
-    def __init__(self, inner: Strategy, gate: ImbalanceGate) -> None:
+    def __init__(
+        self, inner: Strategy, name: str | None = None, gate: ImbalanceGate | None = None
+    ) -> None:
         self.inner = inner
+        self.name = inner.name if name is None else name
         self.gate = gate
-        # What the router asks on every request, copied once: through __getattr__ a missing
-        # attribute would cost a raised AttributeError per request.
-        self.needs_profiles: bool = getattr(inner, "needs_profiles", False)
-        self.routed: Callable[[Candidate, RequestInfo], None] | None = getattr(
-            inner, "routed", None
-        )
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
+        self.needs_profiles = inner.needs_profiles  # asked on every request: copied once
 
     def admit(
         self, candidates: Sequence[Candidate], request: RequestInfo, rng: random.Random, now: float
     ) -> Admission:
-        target = self.gate.check(candidates, request.model, rng)
-        if target is not None:
-            return Route(target)
+        gate = self.gate
+        if gate is not None:
+            target = gate.check(candidates, request.model, rng)
+            if target is not None:
+                return Route(target)
         return self.inner.admit(candidates, request, rng, now)
 
-    def __getattr__(self, attr: str) -> Any:  # routed, scores, higher_is_better, ...
-        if attr in Gated.__slots__:  # not set yet (copying): no recursion through `inner`
+    def profiled(self, candidates: Sequence[Candidate]) -> bool:
+        return self.inner.profiled(candidates)
+
+    def routed(self, candidate: Candidate, request: RequestInfo) -> None:
+        self.inner.routed(candidate, request)
+
+    def forget(self, *keys: str) -> None:
+        self.inner.forget(*keys)
+
+    def __getattr__(self, attr: str) -> Any:  # scores, higher_is_better, params, ...
+        if attr in Wrapped.__slots__:  # not set yet (copying): no recursion through `inner`
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
     def __repr__(self) -> str:
-        return f"Gated({self.inner!r}, {self.gate.settings!r})"
+        gate = None if self.gate is None else self.gate.settings
+        return f"Wrapped({self.inner!r}, {self.name!r}, {gate!r})"

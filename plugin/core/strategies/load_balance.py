@@ -11,6 +11,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.strategies.base import Picker, register_strategy, require_candidates
 from plugin.core.strategies.simple import random_min
 from plugin.core.types import Candidate, RequestInfo
@@ -153,6 +154,12 @@ class LoadBalance(Picker):
         object.__setattr__(self, "_all", _ByScore(self.params, room_only=False))
 
     higher_is_better = False  # as a blend member: the lowest score is the best
+
+    def for_profile(self, profile: ConfigProfile) -> LoadBalance:
+        """A model config profile's `routingConfig.loadBalance` fields over this gateway's."""
+        if not profile.load_balance:
+            return self
+        return LoadBalance(overridden(self.params, profile.load_balance))
 
     def scores(self, candidates: Sequence[Candidate], request: RequestInfo) -> list[float]:
         """The score of each candidate; with the full-batch rule on, a replica at its batch cap

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from plugin.core.prefix import PrefixIndex
-from plugin.core.strategies.base import Picker, register_strategy, require_candidates
+from plugin.core.strategies.base import Picker, Strategy, register_strategy, require_candidates
 from plugin.core.strategies.simple import LeastRequest, random_min
 from plugin.core.types import Candidate, RequestInfo
 
@@ -124,6 +124,14 @@ class PrefixCache(Picker):
             stats.matched_blocks += index.match(model, parts).get(key, 0)
             index.record(model, key, parts)
 
-    def forget(self, *pod_keys: str) -> int:
+    def forget(self, *keys: str) -> None:
         """Pods that left discovery: their cached prefixes no longer count (`PrefixIndex`)."""
-        return self.index.forget(*pod_keys)
+        self.index.forget(*keys)
+
+
+def prefix_stats(strategy: Strategy | None) -> dict[str, tuple[int, int, int]]:
+    """Per model: (requests, prompt blocks, matched blocks) of the requests `strategy` (the
+    gateway's prefix-cache) routed, alone or blended; none for another strategy."""
+    if not isinstance(strategy, PrefixCache):
+        return {}
+    return {m: (s.requests, s.prompt_blocks, s.matched_blocks) for m, s in strategy.stats.items()}

@@ -244,7 +244,7 @@ def _route(chosen: Candidate, best: SloFit, output_tokens: int) -> Route:
     return Route(chosen, load=best.consumption, expected_e2e_s=e2e, profiled=profiled)
 
 
-class SloStrategy:
+class SloStrategy(Strategy):
     """One member of the family; `mode` is `pulling`, `least` or `pack`.
 
     Reads each candidate's `profile` and the request's `predicted_output_tokens`. With no
