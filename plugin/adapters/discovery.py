@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import yaml
 
+from plugin.adapters.engines import default_metrics_path
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.config_profile import CONFIG_ANNOTATION, ModelConfig, parse_model_config
 from plugin.core.strategies import strategy_names
@@ -62,17 +63,6 @@ def _int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
         raise ConfigError(f"{what} must be a port number, got {value!r}")
     return value
-
-
-# TensorRT-LLM's `trtllm-serve` serves its Prometheus page at this path, not /metrics. Only the
-# engine name `trtllm` gets it by default (AIBrix's `model.aibrix.ai/engine` value for it); any
-# other spelling is not guessed at, its pod sets the path (`metricsPath`, `prometheus.io/path`).
-TRTLLM_METRICS_PATH = "/prometheus/metrics"
-
-
-def default_metrics_path(engine: str) -> str:
-    """Where an engine serves its metrics when its pod does not say."""
-    return TRTLLM_METRICS_PATH if engine == "trtllm" else "/metrics"
 
 
 def _metrics_path(value: Any, what: str) -> str | None:

@@ -36,7 +36,8 @@ from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
-from plugin.adapters.discovery import PodsCallback, default_metrics_path, model_config_from
+from plugin.adapters.discovery import PodsCallback, model_config_from
+from plugin.adapters.engines import batch_cap_flags, default_metrics_path
 from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.config_profile import CONFIG_ANNOTATION
 from plugin.core.types import Pod
@@ -64,10 +65,10 @@ ENGINE_KEY = "model.aibrix.ai/engine"
 # key: AIBrix defines none).
 MAX_NUM_SEQS_KEY = "hetero-gateway.io/max-num-seqs"
 # The path of the pod's metrics page, as Prometheus's common scrape annotation names it
-# (default: where its engine serves it, `discovery.default_metrics_path`).
+# (default: where its engine serves it, `engines.default_metrics_path`).
 METRICS_PATH_KEY = "prometheus.io/path"
-# Engine flags that set the batch cap: vLLM's, SGLang's.
-_BATCH_CAP_FLAGS = ("--max-num-seqs", "--max-running-requests")
+# Engine flags that set the batch cap (`plugin.adapters.engines`).
+_BATCH_CAP_FLAGS = batch_cap_flags()
 DEFAULT_PORT = 8000
 DEFAULT_ENGINE = "vllm"
 

@@ -18,66 +18,23 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
+from plugin.adapters.engines import histogram_pairs, metric_names, stepwise_counters
 from plugin.core.pool import PodPool
 from plugin.core.types import EngineMetrics, Pod
 
 log = logging.getLogger(__name__)
 
-# Sample names per engine field, first match wins: vLLM (then older vLLM), SGLang, TensorRT-LLM
-# (`trtllm-serve`, tensorrt_llm/metrics/collector.py), xLLM (common/metrics.cpp: no prefix).
-_RUNNING = (
-    "vllm:num_requests_running",
-    "sglang:num_running_reqs",
-    "trtllm_num_requests_running",
-    "num_running_requests",
-)
-_WAITING = (
-    "vllm:num_requests_waiting",
-    "sglang:num_queue_reqs",
-    "trtllm_num_requests_waiting",
-    "num_waiting_requests",
-)
-# Every one a fraction 0..1, xLLM's `_perc` too (used / total blocks); `kv_cache_utilization` is
-# the older xLLM name AIBrix reads (pkg/metrics/metrics.go).
-_KV = (
-    "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc",
-    "sglang:token_usage",
-    "trtllm_kv_cache_utilization",
-    "kv_cache_utilization_perc",
-    "kv_cache_utilization",
-)
-_CPU_KV = ("vllm:cpu_cache_usage_perc",)  # vLLM with KV offloading to CPU
-# Cumulative output tokens the engine generated: vLLM counts them per step, SGLang when a
-# request finishes; either is exact, and reading it costs nothing per token. xLLM's counter has
-# had two names.
-_GENERATED = (
-    "vllm:generation_tokens_total",
-    "sglang:generation_tokens_total",
-    "trtllm_generation_tokens_total",
-    "num_generated_tokens_total",
-    "num_processing_tokens_total_generated",
-)
-# The batch cap the engine exports (TensorRT-LLM only): its executor's maximum number of active
-# requests, else its configured max batch size. A 0 (not reported yet) is no cap.
-_MAX_BATCH = ("trtllm_max_num_active_requests", "trtllm_max_batch_size_static")
-# Counters that grow as tokens are generated, step by step (vLLM's): a scrape interval's increase
-# is then the replica's speed, which the speed watch reads. SGLang's grows as requests finish.
-_STEPWISE = frozenset({"vllm:generation_tokens_total"})
-# Queue time and inter-token latency histograms' sums and counts (a family's pair, the same
-# order in each tuple): vLLM (newer then older name), TensorRT-LLM.
-_QUEUE_SUM = ("vllm:request_queue_time_seconds_sum", "trtllm_request_queue_time_seconds_sum")
-_QUEUE_COUNT = ("vllm:request_queue_time_seconds_count", "trtllm_request_queue_time_seconds_count")
-_ITL_SUM = (
-    "vllm:inter_token_latency_seconds_sum",
-    "vllm:time_per_output_token_seconds_sum",
-    "trtllm_time_per_output_token_seconds_sum",
-)
-_ITL_COUNT = (
-    "vllm:inter_token_latency_seconds_count",
-    "vllm:time_per_output_token_seconds_count",
-    "trtllm_time_per_output_token_seconds_count",
-)
+# Sample names per engine field, first match wins (`plugin.adapters.engines`, one row per engine).
+_RUNNING = metric_names("running")
+_WAITING = metric_names("waiting")
+_KV = metric_names("kv_usage")
+_CPU_KV = metric_names("cpu_kv_usage")
+_GENERATED = metric_names("generation_tokens")
+_MAX_BATCH = metric_names("max_batch")
+_STEPWISE = stepwise_counters()
+# Histograms' sums and counts, a family's pair at the same place in each tuple.
+_QUEUE_SUM, _QUEUE_COUNT = (tuple(p) for p in zip(*histogram_pairs("queue_time"), strict=True))
+_ITL_SUM, _ITL_COUNT = (tuple(p) for p in zip(*histogram_pairs("token_latency"), strict=True))
 _WANTED = frozenset(
     _RUNNING
     + _WAITING
