@@ -346,7 +346,7 @@ def render(rows: list[Row], seconds: float) -> str:
     notes = [f"- {r.scenario}: {n}" for r in rows for n in r.notes]
     lines += [
         "",
-        "How each is handled (README: Routing, Protocol; docs/architecture.md: Failures):",
+        "How each is handled (docs/routing.md, docs/protocol.md; docs/architecture.md: Failures):",
         "",
         "- The routing filter only picks and the plugin ends its stream at the pick; the counting"
         " filter's stream holds the in-flight slot. A plugin crash then leaves Envoy nothing to"

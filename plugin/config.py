@@ -4,7 +4,7 @@ Every knob is an environment variable (AIBrix's name where AIBrix has one), decl
 a `Var`: name, kind (the parser and its bounds), typed default and a one-line doc. Everything else
 comes from those declarations: validation (`load_settings`), the `--help` of the flags that
 override a variable (`Var.add_flag`) and the README's configuration table
-(`python -m plugin.config --write-readme README.md`; a test fails while README.md differs).
+(`python -m plugin.config --write-readme docs/configuration.md`; a test fails while it differs).
 Values are validated at start-up: a bad one raises `ConfigError` naming the variable, so the
 process never starts half-configured.
 """

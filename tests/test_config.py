@@ -30,6 +30,8 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.unit
 
+CONFIGURATION_DOC = REPO / "docs" / "configuration.md"
+
 
 def test_defaults() -> None:
     s = load_settings({})
@@ -85,10 +87,8 @@ def test_bad_value_names_the_variable(name: str, value: str) -> None:
         load_settings({name: value})
 
 
-def test_readme_documents_every_variable() -> None:
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_configuration_doc_documents_every_variable() -> None:
+    readme = CONFIGURATION_DOC.read_text(encoding="utf-8")
     for var in ENV_VARS:
         assert f"| `{var.name}` |" in readme, var.name
 
@@ -511,16 +511,14 @@ def test_every_strategy_variable_names_a_strategy_with_settings() -> None:
         assert var.meaning.startswith(f"`{var.strategy}` strategy: ")
 
 
-# --- the README's table --------------------------------------------------------------------------
-
-README = REPO / "README.md"
+# --- the configuration table (docs/configuration.md) ------------------------------------------
 
 
-def test_readme_table_is_the_generated_one() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_the_configuration_table_is_the_generated_one() -> None:
+    text = CONFIGURATION_DOC.read_text(encoding="utf-8")
     assert config.with_config_table(text) == text, (
-        "README.md's configuration table differs from plugin/config.py's declarations;"
-        " run: python -m plugin.config --write-readme README.md"
+        "docs/configuration.md's table differs from plugin/config.py's declarations;"
+        " run: python -m plugin.config --write-readme docs/configuration.md"
     )
 
 

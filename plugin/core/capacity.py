@@ -1,4 +1,4 @@
-"""Per-replica capacity learned from completed output tokens (README "Routing").
+"""Per-replica capacity learned from completed output tokens (`docs/routing.md`).
 
 On every refresh, each replica's cumulative completed-token counter becomes a rate over a window
 of about a minute; an EWMA with time constant tau smooths it (alpha = 1 - exp(-dt / tau)). A window

@@ -1,7 +1,7 @@
 """`load-balance`: the capacity-aware score (AIBrix's algorithm, plus the full-batch rule).
 
 score = (running + lambda * queued) / capacity * (1 + alpha * (1 - kvFree)^2), lowest wins; the
-exact rules are in the README's Routing section and `docs/architecture.md`.
+exact rules are in the `docs/routing.md` and `docs/architecture.md`.
 """
 
 from __future__ import annotations
