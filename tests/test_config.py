@@ -87,6 +87,12 @@ def test_bad_value_names_the_variable(name: str, value: str) -> None:
         load_settings({name: value})
 
 
+def test_every_declared_variable_is_listed_once() -> None:
+    declared = [v for v in vars(config.variables).values() if isinstance(v, Var)]
+    assert sorted(v.name for v in declared) == sorted(v.name for v in ENV_VARS)
+    assert len({v.name for v in ENV_VARS}) == len(ENV_VARS)
+
+
 def test_the_configuration_doc_documents_every_variable() -> None:
     readme = CONFIGURATION_DOC.read_text(encoding="utf-8")
     for var in ENV_VARS:
@@ -114,7 +120,7 @@ def test_discovery_and_shared_state_defaults() -> None:
     assert s.discovery == "file"
     assert s.k8s_namespaces == ()
     assert s.k8s_label_selector == "model.aibrix.ai/name"
-    assert s.gpu_label == "app.kubernetes.io/name"
+    assert s.deployment_label == "app.kubernetes.io/name"  # also names the GPU type
     assert s.redis is None  # no REDIS_HOST: state stays in the process
 
 
@@ -124,13 +130,13 @@ def test_kubernetes_discovery_settings() -> None:
             "HETERO_GATEWAY_DISCOVERY": "Kubernetes",
             "HETERO_GATEWAY_K8S_NAMESPACE": " team-a, team-b ,team-a,",
             "HETERO_GATEWAY_K8S_LABEL_SELECTOR": "model.aibrix.ai/name,tier=gpu",
-            "HETERO_GATEWAY_GPU_LABEL": "nvidia.com/gpu.product",
+            "AIBRIX_POD_DEPLOYMENT_LABEL": "nvidia.com/gpu.product",
         }
     )
     assert s.discovery == "kubernetes"
     assert s.k8s_namespaces == ("team-a", "team-b")
     assert s.k8s_label_selector == "model.aibrix.ai/name,tier=gpu"
-    assert s.gpu_label == "nvidia.com/gpu.product"
+    assert s.deployment_label == "nvidia.com/gpu.product"
 
 
 def test_redis_settings_and_gateway_identity(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,7 +173,7 @@ def test_redis_settings_and_gateway_identity(monkeypatch: pytest.MonkeyPatch) ->
     [
         ({"HETERO_GATEWAY_DISCOVERY": "consul"}, "HETERO_GATEWAY_DISCOVERY"),
         ({"HETERO_GATEWAY_K8S_NAMESPACE": "Team_A"}, "HETERO_GATEWAY_K8S_NAMESPACE"),
-        ({"HETERO_GATEWAY_GPU_LABEL": "gpu type"}, "HETERO_GATEWAY_GPU_LABEL"),
+        ({"HETERO_GATEWAY_GPU_LABEL": "gpu"}, "HETERO_GATEWAY_GPU_LABEL"),  # merged, refused
         ({"REDIS_HOST": "r", "REDIS_PORT": "0"}, "REDIS_PORT"),
         ({"REDIS_PORT": "redis"}, "REDIS_PORT"),
         ({"REDIS_HOST": "a b"}, "REDIS_HOST"),
@@ -293,7 +299,6 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_DISCOVERY": ("consul",),
     "HETERO_GATEWAY_K8S_NAMESPACE": ("Team_A", "ok,-bad"),
     "HETERO_GATEWAY_K8S_LABEL_SELECTOR": ("a=b c",),
-    "HETERO_GATEWAY_GPU_LABEL": ("gpu type", "/name"),
     "AIBRIX_POD_DEPLOYMENT_LABEL": ("gpu type", "/name"),
     "HETERO_GATEWAY_SLO_MAX_WAIT_MS": ("0", "59001", "x"),
     "HETERO_GATEWAY_MAX_WAITING": ("0", "-1", "many"),
@@ -455,10 +460,12 @@ class RecordingEnv(Mapping[str, str]):
 
 
 def test_load_settings_reads_exactly_the_declared_variables() -> None:
-    # Read <=> declared: no hidden knob, and no declared variable that does nothing.
+    # Read <=> declared: no hidden knob, and no declared variable that does nothing; a removed
+    # variable is looked at only to refuse it.
     env = RecordingEnv({})
     load_settings(env)
-    assert env.asked == set(VARS), env.asked ^ set(VARS)
+    expected = set(VARS) | set(config.REMOVED_VARS)
+    assert env.asked == expected, env.asked ^ expected
 
 
 def test_max_message_bytes_reads_only_its_variable() -> None:
@@ -517,7 +524,7 @@ def test_every_strategy_variable_names_a_strategy_with_settings() -> None:
 def test_the_configuration_table_is_the_generated_one() -> None:
     text = CONFIGURATION_DOC.read_text(encoding="utf-8")
     assert config.with_config_table(text) == text, (
-        "docs/configuration.md's table differs from plugin/config.py's declarations;"
+        "docs/configuration.md's table differs from plugin/config's declarations;"
         " run: python -m plugin.config --write-readme docs/configuration.md"
     )
 

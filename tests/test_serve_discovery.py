@@ -250,7 +250,7 @@ def test_serve_discovery_kubernetes_watches_the_configured_namespaces(
     assert not any(r.startswith("other") for r in requests)
 
 
-def test_gpu_label_is_configurable(
+def test_the_deployment_label_names_the_gpu_type(
     kubeconfig: Path,
     api_server: tuple[str, list[str]],
     monkeypatch: pytest.MonkeyPatch,
@@ -258,7 +258,7 @@ def test_gpu_label_is_configurable(
 ) -> None:
     monkeypatch.setenv("HETERO_GATEWAY_DISCOVERY", "kubernetes")
     monkeypatch.setenv("HETERO_GATEWAY_K8S_NAMESPACE", "team-a")
-    monkeypatch.setenv("HETERO_GATEWAY_GPU_LABEL", "model.aibrix.ai/name")
+    monkeypatch.setenv("AIBRIX_POD_DEPLOYMENT_LABEL", "model.aibrix.ai/name")
     seen = observe_serve(_debug_pods)
     assert main(["serve", "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0"]) == 0
     [doc] = seen

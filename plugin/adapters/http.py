@@ -21,7 +21,6 @@ from prometheus_client.utils import floatToGoString
 from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import MetricsScraper
-from plugin.config import DEFAULT_GPU_LABEL
 from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
 from plugin.core.pool import PodPool
 from plugin.core.router import Buckets, PredictionStats, WaitStats
@@ -128,7 +127,6 @@ class GatewayCollector(Collector):
         errors: ErrorCounts,
         scraper: MetricsScraper,
         shared: SharedStateView | None = None,
-        gpu_label: str = DEFAULT_GPU_LABEL,
         waiting: Callable[[], Mapping[str, int]] = dict,
         waits: WaitStats | None = None,
         predictions: PredictionStats | None = None,
@@ -150,7 +148,6 @@ class GatewayCollector(Collector):
         self._errors = errors
         self._scraper = scraper
         self._shared = shared
-        self._gpu_label = gpu_label
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pod", "model"]
@@ -196,7 +193,7 @@ class GatewayCollector(Collector):
             tokens.add_metric([*values, "estimated"], estimated)
             inflight.add_metric(values, self._pool.inflight(pod.key))
             remote.add_metric(values, self._pool.remote_inflight(pod.key))
-            info.add_metric([*values, pod.labels.get(self._gpu_label, "")], 1)
+            info.add_metric([*values, pod.deployment or ""], 1)
             estimate = self._pool.capacity(pod.key)
             if estimate is not None:
                 capacity.add_metric(values, estimate)
@@ -284,7 +281,6 @@ def debug_pods(
     pool: PodPool,
     now: float,
     shared: SharedStateView | None = None,
-    gpu_label: str = DEFAULT_GPU_LABEL,
     waiting: Mapping[str, int] | None = None,
     profiles: ProfileLoader | None = None,
     tracing: TracingView | None = None,
@@ -295,7 +291,7 @@ def debug_pods(
     cells compare with served traffic."""
     doc = pool.snapshot(now)
     for entry in doc["pods"].values():
-        entry["gpu"] = entry["labels"].get(gpu_label)
+        entry["gpu"] = entry["deployment"]  # the GPU type: AIBRIX_POD_DEPLOYMENT_LABEL
         entry["profile"] = (
             profiles is not None
             and profiles.book.lookup(entry["model"], entry["deployment"]) is not None
@@ -315,7 +311,6 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
     *,
     shared: SharedStateView | None = None,
-    gpu_label: str = DEFAULT_GPU_LABEL,
     draining: Callable[[], bool] = lambda: False,
     waiting: Callable[[], Mapping[str, int]] = dict,
     profiles: ProfileLoader | None = None,
@@ -334,7 +329,6 @@ def build_app(
             errors,
             scraper,
             shared,
-            gpu_label,
             waiting,
             waits,
             predictions,
@@ -366,7 +360,7 @@ def build_app(
     async def pods(_: web.Request) -> web.Response:
         return web.Response(
             body=orjson.dumps(
-                debug_pods(pool, clock(), shared, gpu_label, waiting(), profiles, tracing, drift)
+                debug_pods(pool, clock(), shared, waiting(), profiles, tracing, drift)
             ),
             content_type="application/json",
         )

@@ -259,7 +259,6 @@ class Gateway:
             self.servicer.errors,
             self.scraper,
             shared=self.shared,
-            gpu_label=self.settings.gpu_label,
             draining=lambda: self.draining,
             waiting=self.router.waiting_by_model,
             imbalance=self.router.imbalance_fired,

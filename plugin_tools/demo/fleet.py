@@ -172,7 +172,7 @@ class LocalFleet:
                             "address": "127.0.0.1",
                             "port": e.port,
                             "engine": "vllm",
-                            # The GPU type as /debug/pods shows it (HETERO_GATEWAY_GPU_LABEL).
+                            # The GPU type as /debug/pods shows it (AIBRIX_POD_DEPLOYMENT_LABEL).
                             "labels": {"gpu": e.preset, "app.kubernetes.io/name": e.preset},
                         }
                         for e in self.engines

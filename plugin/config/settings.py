@@ -1,0 +1,274 @@
+"""The typed settings the gateway runs with, loaded from the environment by `load_settings`."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from plugin.config.variables import (
+    _EJECT,
+    AUTH_BEARER_TOKEN,
+    AUTO_BLEND_LB_WEIGHT,
+    AUTO_BLEND_LR_WEIGHT,
+    AUTO_BLEND_PC_LB_WEIGHT,
+    AUTO_BLEND_PC_WEIGHT,
+    CAPACITY_TAU_S,
+    CAPACITY_WINDOW_S,
+    DEPLOYMENT_LABEL,
+    DISCOVERY,
+    DRAIN_S,
+    EJECT_BASE_S,
+    EJECT_CONSECUTIVE_5XX,
+    GRPC_PORT,
+    HTTP_PORT,
+    IMBALANCE_FACTOR,
+    IMBALANCE_GATE,
+    IMBALANCE_MIN_GAP,
+    K8S_LABEL_SELECTOR,
+    K8S_NAMESPACE,
+    LB_AVOID_FULL_BATCHES,
+    LB_KV_CRITICAL_FREE,
+    LB_KV_PRESSURE_ALPHA,
+    LB_QUEUED_WEIGHT,
+    LOG_LEVEL,
+    MAX_MESSAGE_BYTES,
+    MAX_REQUEST_HEADERS,
+    MAX_WAITING,
+    METRIC_REFRESH_MS,
+    METRICS_MAX_AGE_INTERVALS,
+    OPTIMIZER_HEADROOM,
+    OPTIMIZER_LOOKBACK_S,
+    OPTIMIZER_MAX_REPLICAS,
+    OPTIMIZER_PORT,
+    OPTIMIZER_SCALE_DOWN_WINDOWS,
+    PC_BLOCK_NUMBER,
+    PC_BLOCK_SIZE,
+    POD_NAME,
+    POD_NAMESPACE,
+    PODS_FILE,
+    PROFILE_DIR,
+    REDIS_DB,
+    REDIS_HOST,
+    REDIS_PASSWORD,
+    REDIS_PORT,
+    REDIS_SYNC_MS,
+    REDIS_TTL_MS,
+    REMOVED_VARS,
+    ROUTING_ALGORITHM,
+    SCRAPE_TIMEOUT_MS,
+    SLO_MAX_WAIT_MS,
+    TRACING,
+)
+from plugin.core.pool import EjectionPolicy
+from plugin.core.strategies import LoadBalanceSettings, SloSettings
+from plugin.core.strategies.blend import AutoBlend
+from plugin.core.strategies.gate import ImbalanceSettings
+from plugin.core.strategies.prefix_cache import PrefixCacheSettings
+from plugin.errors import ConfigError
+
+# --- typed settings ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """Where shared state lives and how this gateway takes part in it."""
+
+    host: str
+    port: int = REDIS_PORT.default
+    db: int = REDIS_DB.default
+    password: str | None = field(default=None, repr=False)
+    gateway_id: str = "gateway"
+    sync_interval_s: float = REDIS_SYNC_MS.default / 1000.0
+    ttl_s: float = REDIS_TTL_MS.default / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSettings:
+    """How the GPU optimizer plans (`hetero-gateway optimizer`)."""
+
+    port: int = OPTIMIZER_PORT.default
+    lookback_s: int = OPTIMIZER_LOOKBACK_S.default
+    headroom: float = OPTIMIZER_HEADROOM.default
+    scale_down_windows: int = OPTIMIZER_SCALE_DOWN_WINDOWS.default
+    max_replicas: Mapping[str, int] = field(default_factory=dict)  # by name or namespace/name
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every setting, typed; the defaults are the declarations' (`load_settings({})` equals it)."""
+
+    default_strategy: str = ROUTING_ALGORITHM.default
+    auto_blend: AutoBlend = field(default_factory=AutoBlend)
+    imbalance: ImbalanceSettings | None = field(default_factory=ImbalanceSettings)  # None: off
+    load_balance: LoadBalanceSettings = field(default_factory=LoadBalanceSettings)
+    slo: SloSettings = field(default_factory=SloSettings)
+    prefix_cache: PrefixCacheSettings = field(default_factory=PrefixCacheSettings)
+    max_waiting: int = MAX_WAITING.default
+    metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
+    max_message_bytes: int = MAX_MESSAGE_BYTES.default
+    max_request_headers: int = MAX_REQUEST_HEADERS.default
+    auth_bearer_token: str | None = field(default=None, repr=False)  # never printed
+    pods_file: str | None = PODS_FILE.default
+    grpc_port: int = GRPC_PORT.default
+    http_port: int = HTTP_PORT.default
+    scrape_timeout_s: float = SCRAPE_TIMEOUT_MS.default / 1000.0
+    metrics_max_age_intervals: int = METRICS_MAX_AGE_INTERVALS.default
+    capacity_window_s: float = CAPACITY_WINDOW_S.default
+    capacity_tau_s: float = CAPACITY_TAU_S.default
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
+    log_level: str = LOG_LEVEL.default
+    drain_s: float = DRAIN_S.default
+    discovery: str = DISCOVERY.default
+    k8s_namespaces: tuple[str, ...] = K8S_NAMESPACE.default  # empty: every namespace
+    k8s_label_selector: str = K8S_LABEL_SELECTOR.default
+    deployment_label: str = DEPLOYMENT_LABEL.default
+    profile_dir: str | None = PROFILE_DIR.default
+    redis: RedisSettings | None = None  # None: state stays in this process
+    tracing: bool = TRACING.default  # request traces for the GPU optimizer (needs redis)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+
+    @property
+    def metrics_max_age_s(self) -> float:
+        return self.metric_refresh_interval_s * self.metrics_max_age_intervals
+
+    def strategy_settings(self) -> tuple[object, ...]:
+        """Every strategy's own settings object, for `build_strategies(*...)`."""
+        return (self.load_balance, self.slo, self.prefix_cache)
+
+
+def _load_balance_settings(env: Mapping[str, str]) -> LoadBalanceSettings:
+    return LoadBalanceSettings(
+        queued_weight=LB_QUEUED_WEIGHT.read(env),
+        kv_pressure_alpha=LB_KV_PRESSURE_ALPHA.read(env),
+        kv_critical_free=LB_KV_CRITICAL_FREE.read(env),
+        avoid_full_batches=LB_AVOID_FULL_BATCHES.read(env),
+    )
+
+
+def _imbalance_settings(env: Mapping[str, str]) -> ImbalanceSettings | None:
+    mode = IMBALANCE_GATE.read(env)
+    if mode == "off":
+        return None
+    return ImbalanceSettings(
+        min_gap=IMBALANCE_MIN_GAP.read(env),
+        factor=IMBALANCE_FACTOR.read(env),
+        capacity_aware=mode == "capacity",
+    )
+
+
+def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
+    host = REDIS_HOST.read(env)
+    port = REDIS_PORT.read(env)
+    sync_ms = REDIS_SYNC_MS.read(env)
+    ttl_ms = REDIS_TTL_MS.read(env)
+    if ttl_ms < 2 * sync_ms:
+        raise ConfigError(
+            f"{REDIS_TTL_MS.name}={ttl_ms} must be at least twice"
+            f" {REDIS_SYNC_MS.name}={sync_ms}, or live gateways' entries expire"
+        )
+    password = REDIS_PASSWORD.read(env)
+    db = REDIS_DB.read(env)
+    name, namespace = POD_NAME.read(env), POD_NAMESPACE.read(env)
+    if host is None:
+        return None
+    name = name or socket.gethostname() or "gateway"
+    return RedisSettings(
+        host=host,
+        port=port,
+        db=db,
+        password=password,
+        gateway_id=f"{namespace}/{name}" if namespace else name,
+        sync_interval_s=sync_ms / 1000.0,
+        ttl_s=ttl_ms / 1000.0,
+    )
+
+
+def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
+    lookback = OPTIMIZER_LOOKBACK_S.read(env)
+    if lookback % 10:
+        raise ConfigError(
+            f"{OPTIMIZER_LOOKBACK_S.name}={lookback} must be a multiple of 10 (the trace window)"
+        )
+    return OptimizerSettings(
+        port=OPTIMIZER_PORT.read(env),
+        lookback_s=lookback,
+        headroom=OPTIMIZER_HEADROOM.read(env),
+        scale_down_windows=OPTIMIZER_SCALE_DOWN_WINDOWS.read(env),
+        max_replicas=dict(OPTIMIZER_MAX_REPLICAS.read(env)),
+    )
+
+
+def _tracing(env: Mapping[str, str], redis: RedisSettings | None) -> bool:
+    on = TRACING.read(env)
+    if on and redis is None:
+        raise ConfigError(
+            f"{TRACING.name}=true needs {REDIS_HOST.name}: the gateway writes its request traces"
+            f" to Redis (set {REDIS_HOST.name}, or unset {TRACING.name})"
+        )
+    return on
+
+
+def _ejection_policy(consecutive_5xx: int, base_s: float) -> EjectionPolicy:
+    """Backoff doubles up to 60 s, or up to the base when an operator set a longer one."""
+    return EjectionPolicy(
+        consecutive_5xx=consecutive_5xx, base_s=base_s, max_s=max(_EJECT.max_s, base_s)
+    )
+
+
+def max_message_bytes(env: Mapping[str, str] | None = None) -> int:
+    """AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES alone: `envoy-config` needs this one value, and a typo
+    in an unrelated variable must not stop it."""
+    return MAX_MESSAGE_BYTES.read(os.environ if env is None else env)
+
+
+def max_request_headers(env: Mapping[str, str] | None = None) -> int:
+    """HETERO_GATEWAY_MAX_REQUEST_HEADERS alone, for `envoy-config` (as `max_message_bytes`)."""
+    return MAX_REQUEST_HEADERS.read(os.environ if env is None else env)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every variable; raise ConfigError naming the first bad one."""
+    env = os.environ if env is None else env
+    for name, instead in REMOVED_VARS.items():
+        if name in env:
+            raise ConfigError(f"{name} is no longer read: {instead}")
+    return Settings(
+        default_strategy=ROUTING_ALGORITHM.read(env),
+        imbalance=_imbalance_settings(env),
+        auto_blend=AutoBlend(
+            load_balance_weight=AUTO_BLEND_LB_WEIGHT.read(env),
+            least_request_weight=AUTO_BLEND_LR_WEIGHT.read(env),
+            prefix_cache_weight=AUTO_BLEND_PC_WEIGHT.read(env),
+            prefix_cache_load_balance_weight=AUTO_BLEND_PC_LB_WEIGHT.read(env),
+        ),
+        load_balance=_load_balance_settings(env),
+        prefix_cache=PrefixCacheSettings(
+            block_chars=PC_BLOCK_SIZE.read(env), max_blocks=PC_BLOCK_NUMBER.read(env)
+        ),
+        metric_refresh_interval_s=METRIC_REFRESH_MS.read(env) / 1000.0,
+        max_message_bytes=max_message_bytes(env),
+        max_request_headers=max_request_headers(env),
+        auth_bearer_token=AUTH_BEARER_TOKEN.read(env) or None,
+        pods_file=PODS_FILE.read(env),
+        grpc_port=GRPC_PORT.read(env),
+        http_port=HTTP_PORT.read(env),
+        scrape_timeout_s=SCRAPE_TIMEOUT_MS.read(env) / 1000.0,
+        metrics_max_age_intervals=METRICS_MAX_AGE_INTERVALS.read(env),
+        capacity_window_s=CAPACITY_WINDOW_S.read(env),
+        capacity_tau_s=CAPACITY_TAU_S.read(env),
+        ejection=_ejection_policy(EJECT_CONSECUTIVE_5XX.read(env), EJECT_BASE_S.read(env)),
+        log_level=LOG_LEVEL.read(env),
+        drain_s=DRAIN_S.read(env),
+        discovery=DISCOVERY.read(env),
+        k8s_namespaces=K8S_NAMESPACE.read(env),
+        k8s_label_selector=K8S_LABEL_SELECTOR.read(env),
+        slo=SloSettings(max_wait_s=SLO_MAX_WAIT_MS.read(env) / 1000.0),
+        max_waiting=MAX_WAITING.read(env),
+        deployment_label=DEPLOYMENT_LABEL.read(env),
+        profile_dir=PROFILE_DIR.read(env),
+        redis=(redis := _redis_settings(env)),
+        tracing=_tracing(env, redis),
+        optimizer=_optimizer_settings(env),
+    )
