@@ -2,14 +2,17 @@
 an in-process plugin, the mock fleet behind a real Envoy (and a second gateway replica in front of
 it), and the shared reference data.
 
-Tiers (one per module, as `pytestmark`; collection stops on a test with none or several):
+Tiers (one per module, as `pytestmark`, and the module in the tier's folder: `tests/unit`,
+`tests/component`, `tests/dataplane`; collection stops on a test with none, several or another
+folder's):
 
 - `unit`: pure logic, no sockets or processes;
 - `component`: one adapter against a real thing on loopback (gRPC or HTTP server, redis-server,
   the Kubernetes API's list/watch, a subprocess such as `envoy --mode validate` or `kubectl`);
 - `dataplane`: a real Envoy, the plugin and mock engines as processes, traffic over loopback.
 
-`pytest -m "not dataplane"` is the quick loop; plain `pytest` runs every tier.
+`pytest -m unit` is the quick loop (nothing external: no server, process or shared data);
+`pytest -m "not dataplane"` adds the components; plain `pytest` runs every tier.
 
 Shared data (the Envoy Gateway and Gateway API CRDs, the Azure traces) is read from
 `HETERO_GATEWAY_SHARED_DATA` (default `../shared/data` beside the repository). Where it is absent
@@ -68,9 +71,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     problems: dict[tuple[str, str], int] = defaultdict(int)
     for item in items:
         tiers = [m.name for m in item.iter_markers() if m.name in TIERS]
-        if len(tiers) != 1:
+        folder = Path(str(item.path)).parent.name  # tests/<tier>/test_x.py
+        if len(tiers) != 1 or tiers[0] != folder:
             found = ", ".join(tiers) if tiers else "none"
-            problems[(item.nodeid.split("::")[0], found)] += 1
+            problems[(item.nodeid.split("::")[0], f"{found} (in folder {folder})")] += 1
     if problems:
         lines = [
             f"  {path}: {count} test(s) with tier markers: {found}"
@@ -78,7 +82,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ]
         raise pytest.UsageError(
             "every test needs exactly one tier marker, set once per module as "
-            "`pytestmark = pytest.mark.unit` (or component, dataplane; see tests/conftest.py):\n"
+            "`pytestmark = pytest.mark.unit` (or component, dataplane), and lives in the "
+            "folder of its tier (tests/unit, tests/component, tests/dataplane):\n"
             + "\n".join(lines)
         )
 

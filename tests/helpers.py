@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.discovery import PodSource
+from plugin.adapters.kubernetes import MODEL_KEY
 from plugin.adapters.serve import Gateway
 from plugin.config import Settings, load_settings
 from plugin.core.strategies import Strategy
@@ -150,6 +151,69 @@ def extproc_exchange(model: str, completion_tokens: int) -> list[pb.ProcessingRe
 
 
 # --- the plugin -----------------------------------------------------------------------------------
+
+
+def make_pod(
+    name: str,
+    *,
+    model: str = "m",
+    namespace: str = "ns",
+    address: str = "10.0.0.1",
+    port: int = 8000,
+    metrics_port: int | None = None,
+    ready: bool = True,
+    deployment: str | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> Pod:
+    """A pod for tests: the fields a test does not care about at one default everywhere
+    (`metrics_port`: the port)."""
+    return Pod(
+        name,
+        namespace,
+        model,
+        address,
+        port,
+        port if metrics_port is None else metrics_port,
+        ready=ready,
+        labels=dict(labels or {}),
+        deployment=deployment,
+    )
+
+
+def pod_obj(
+    name: str,
+    namespace: str = "default",
+    *,
+    model: str | None = "m",
+    ip: str | None = "10.0.0.1",
+    ready: bool | None = True,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    deleting: bool = False,
+    phase: str = "Running",
+) -> dict[str, Any]:
+    """A pod as the API server sends it (only the fields the source reads, and a few it ignores)."""
+    all_labels = {"app": "engine"} | ({MODEL_KEY: model} if model is not None else {})
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": f"uid-{namespace}-{name}",
+        "labels": all_labels | (labels or {}),
+    }
+    if annotations:
+        metadata["annotations"] = annotations
+    if deleting:
+        metadata["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    status: dict[str, Any] = {"phase": phase}
+    if ip is not None:
+        status["podIP"] = ip
+    if ready is not None:
+        status["conditions"] = [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": "True" if ready else "False"},
+        ]
+    spec = {"nodeName": "node-1", "containers": [{"name": "engine", "image": "vllm/vllm-openai"}]}
+    return {"metadata": metadata, "spec": spec, "status": status}
 
 
 def write_pods_file(path: Path, pods: Iterable[Pod]) -> Path:

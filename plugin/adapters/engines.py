@@ -1,9 +1,9 @@
 """What each inference engine speaks, one row per engine: the names of the metrics the scraper
 reads, where its metrics page is, and the flag that sets its batch cap.
 
-A new engine is one row here plus its test (`tests/test_scraper.py` parses a real page of it);
-the scraper, discovery (the metrics path) and the Kubernetes source (the batch-cap flag) read
-this table, and `docs/engines.md` is rendered from it (`python -m plugin.adapters.engines
+A new engine is one row here plus its test (`tests/component/test_scraper.py` parses a real page
+of it); the scraper, discovery (the metrics path) and the Kubernetes source (the batch-cap flag)
+read this table, and `docs/engines.md` is rendered from it (`python -m plugin.adapters.engines
 --write docs/engines.md`; a test fails while it differs). Where engines share a field, the
 scraper takes the first name found in table order: vLLM (newer name first), SGLang,
 TensorRT-LLM (`trtllm-serve`, tensorrt_llm/metrics/collector.py), xLLM (common/metrics.cpp:

@@ -9,7 +9,7 @@ A strategy whose rule is "the smallest key, ties at random" asks the view for an
 on its key (`view.sorted_by(spec)`): a sorted list the view updates with each candidate change, so
 the pick costs O(log n) instead of a pass over the pool. The index answers exactly what the
 straightforward pass over the same candidates answers, random tie-break included (it draws
-from the same `rng` the same way); `tests/test_view.py` holds both to that on random pools.
+from the same `rng` the same way); `tests/unit/test_view.py` holds both to that on random pools.
 
 A strategy whose rule first splits the pool (SLO routing: by deployment, whose GPU profile
 decides what a request costs there) asks for a `GroupedIndex` (`view.grouped_by(spec)`): one

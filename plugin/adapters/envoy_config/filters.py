@@ -48,7 +48,8 @@ def _strips_usage(opts: EnvoyOptions, layout: BenchLayout) -> bool:
 
 
 # The Lua filter that takes the usage-only event out of a stream the plugin asked usage for on
-# the client's behalf (`strip_usage.lua`, beside this module; tests/test_strip_usage_lua.py).
+# the client's behalf (`strip_usage.lua`, beside this module;
+# tests/dataplane/test_strip_usage_lua.py).
 _STRIP_USAGE_LUA = (
     f'local NS, KEY = "{REPLY_METADATA_NAMESPACE}", "{STRIP_USAGE_KEY}"\n'
     + resources.files("plugin.adapters.envoy_config")

@@ -4,7 +4,7 @@
 -- scanned with plain finds; a partial last line that shows `"choices":[]` is held back and
 -- completed by the next chunk, and an empty chunk (Envoy's end of a chunked body) sends whatever
 -- is held, so a chunk boundary can at worst leave a usage event in the stream, never lose bytes
--- of anything else (tests/test_strip_usage_lua.py).
+-- of anything else (tests/dataplane/test_strip_usage_lua.py).
 -- The first line, `local NS, KEY = ...`, is prepended by plugin/adapters/envoy_config.py.
 local function usage_only(s, from, to)
   if string.sub(s, from, from + 4) ~= "data:" then return false end

@@ -41,7 +41,7 @@ Cost on a `CandidateView`: the least loaded pod with room and the busiest pod ar
 grouped index (with room, at the cap; O(log n) per lease to keep, O(1) to read). The running
 total and the capacity sum are the view's own, kept current as it changes (O(1) to read). A
 plain list, or a view mixing pods with and without an estimate, takes the plain pass, the rule
-the indexed path reproduces (`tests/test_gate.py` holds them to the same answers).
+the indexed path reproduces (`tests/unit/test_gate.py` holds them to the same answers).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
-from tests.helpers import WAIT_S, eventually, free_port
+from tests.helpers import WAIT_S, eventually, free_port, pod_obj
 
 pytestmark = pytest.mark.component
 
@@ -50,42 +50,6 @@ pytestmark = pytest.mark.component
 # on both sides of a thread (the worker logs, the server counts, the loop delivers).
 LOGGER = "plugin.adapters.kubernetes"
 WATCH_TIMEOUT_S = 60
-
-
-def pod_obj(
-    name: str,
-    namespace: str = "default",
-    *,
-    model: str | None = "m",
-    ip: str | None = "10.0.0.1",
-    ready: bool | None = True,
-    labels: dict[str, str] | None = None,
-    annotations: dict[str, str] | None = None,
-    deleting: bool = False,
-    phase: str = "Running",
-) -> dict[str, Any]:
-    """A pod as the API server sends it (only the fields the source reads, and a few it ignores)."""
-    all_labels = {"app": "engine"} | ({MODEL_KEY: model} if model is not None else {})
-    metadata: dict[str, Any] = {
-        "name": name,
-        "namespace": namespace,
-        "uid": f"uid-{namespace}-{name}",
-        "labels": all_labels | (labels or {}),
-    }
-    if annotations:
-        metadata["annotations"] = annotations
-    if deleting:
-        metadata["deletionTimestamp"] = "2025-01-01T00:00:00Z"
-    status: dict[str, Any] = {"phase": phase}
-    if ip is not None:
-        status["podIP"] = ip
-    if ready is not None:
-        status["conditions"] = [
-            {"type": "PodScheduled", "status": "True"},
-            {"type": "Ready", "status": "True" if ready else "False"},
-        ]
-    spec = {"nodeName": "node-1", "containers": [{"name": "engine", "image": "vllm/vllm-openai"}]}
-    return {"metadata": metadata, "spec": spec, "status": status}
 
 
 # --- pod_from_object ----------------------------------------------------------------------------

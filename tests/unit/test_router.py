@@ -31,6 +31,7 @@ from plugin.core.strategies import (
 )
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import NoMatchingPod, NoReadyPod, RoutingFailed, UnknownModel
+from tests.helpers import make_pod
 
 MODEL = "m"
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.unit
 
 
 def pod(name: str, model: str = MODEL, ready: bool = True) -> Pod:
-    return Pod(name, "ns", model, "10.0.0.1", 8000 + len(name), 8000, ready=ready)
+    return make_pod(name, model=model, port=8000 + len(name), metrics_port=8000, ready=ready)
 
 
 @dataclass

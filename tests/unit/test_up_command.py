@@ -1,6 +1,6 @@
 """`hetero-gateway up`'s options are checked before any process starts or any load is offered.
 
-The command's run end to end is in tests/test_dataplane_up.py.
+The command's run end to end is in tests/dataplane/test_dataplane_up.py.
 """
 
 from __future__ import annotations

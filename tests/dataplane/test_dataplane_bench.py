@@ -2,7 +2,7 @@
 variant measured; the command exits 0 and writes well-formed JSON, Markdown and plots.
 
 The figures themselves are a benchmark (docs/bench/); no timing is asserted here. The parts that
-need no Envoy are in tests/test_bench_command.py.
+need no Envoy are in tests/component/test_bench_command.py.
 """
 
 from __future__ import annotations

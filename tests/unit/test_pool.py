@@ -10,20 +10,13 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import EjectionPolicy, PodPool
 from plugin.core.types import EngineMetrics, Pod
 from plugin.errors import NoReadyPod, UnknownModel
+from tests.helpers import make_pod
 
 pytestmark = pytest.mark.unit
 
 
 def pod(name: str, model: str = "m", ready: bool = True, ns: str = "default") -> Pod:
-    return Pod(
-        name=name,
-        namespace=ns,
-        model=model,
-        address="10.0.0.1",
-        port=8000,
-        metrics_port=8000,
-        ready=ready,
-    )
+    return make_pod(name, model=model, namespace=ns, ready=ready)
 
 
 def make_pool(*pods: Pod, policy: EjectionPolicy | None = None) -> PodPool:

@@ -12,11 +12,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import EjectionPolicy, Lease, PodPool
-from plugin.core.types import EngineMetrics, Pod
+from plugin.core.types import EngineMetrics
+from tests.helpers import make_pod
 
 pytestmark = pytest.mark.unit
 
-PODS = tuple(Pod(f"p{i}", "ns", "m", f"10.0.0.{i}", 8000, 8000, ready=True) for i in range(3))
+PODS = tuple(make_pod(f"p{i}", address=f"10.0.0.{i}") for i in range(3))
 
 
 @dataclasses.dataclass

@@ -11,14 +11,13 @@ from hypothesis import strategies as st
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.types import EngineMetrics, Pod
+from tests.helpers import make_pod
 
 pytestmark = pytest.mark.unit
 
 
 def pod(name: str) -> Pod:
-    return Pod(
-        name=name, namespace="ns", model="m", address="10.0.0.1", port=8000, metrics_port=8000
-    )
+    return make_pod(name)
 
 
 A, B = pod("a"), pod("b")

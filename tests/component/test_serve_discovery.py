@@ -29,15 +29,13 @@ from plugin.cli import main
 from plugin.config import ENV_VARS, load_settings
 from plugin.core.types import Pod
 from plugin.errors import ConfigError
-from tests.helpers import WAIT_S, ObserveServe, debug_pods
+from tests.helpers import WAIT_S, ObserveServe, debug_pods, make_pod
 
 pytestmark = pytest.mark.component
 
 
 def pod(name: str, namespace: str = "default", address: str = "10.0.0.1") -> Pod:
-    return Pod(
-        name=name, namespace=namespace, model="m", address=address, port=8000, metrics_port=8000
-    )
+    return make_pod(name, namespace=namespace, address=address)
 
 
 class ListSource:

@@ -1,7 +1,8 @@
 """Data plane, failure of the plugin itself: the override_host wiring with fail-open keeps serving.
 
 With ORIGINAL_DST, a request the plugin did not route has nowhere to go (fail-closed answers 503:
-tests/test_dataplane.py). With a STATIC cluster under the override_host policy and the ext_proc
+tests/dataplane/test_dataplane.py).
+With a STATIC cluster under the override_host policy and the ext_proc
 filter failing open, Envoy falls back to round robin over the engines while the plugin is down,
 and the plugin's picks take over again once it is back.
 """

@@ -19,7 +19,7 @@ from plugin.core.strategies.blend import AutoBlend, Blend
 from plugin.core.strategies.gate import ImbalanceGate, ImbalanceSettings, Wrapped
 from plugin.core.strategies.load_balance import LoadBalance, LoadBalanceSettings
 from plugin.core.types import EngineMetrics, Pod, RequestInfo
-from tests.test_kubernetes_source import pod_obj
+from tests.helpers import pod_obj
 
 pytestmark = pytest.mark.unit
 

@@ -28,7 +28,7 @@ from plugin.core.strategies import OutputHistory, SloSettings, Strategy, build_s
 from plugin.core.strategies.slo import fit
 from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
 from plugin.errors import QueueFull, RoutingFailed, ShuttingDown
-from tests.helpers import chat_body
+from tests.helpers import chat_body, make_pod
 
 pytestmark = pytest.mark.unit  # the metrics test renders text, no sockets
 
@@ -62,13 +62,11 @@ def grid_profile(gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0) -> Gpu
 
 
 def pod(name: str, deployment: str | None, model: str = MODEL) -> Pod:
-    return Pod(
+    return make_pod(
         name,
-        "ns",
-        model,
-        "10.0.0.1",
-        8000 + len(name),
-        8000,
+        model=model,
+        port=8000 + len(name),
+        metrics_port=8000,
         labels={"gpu": deployment or ""},
         deployment=deployment,
     )

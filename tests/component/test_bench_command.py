@@ -2,7 +2,7 @@
 timings, its interleaved client against a loopback server, and its command line.
 
 The figures themselves are a benchmark (docs/bench/); no timing is asserted anywhere here. The
-run of `bench --quick` through a real Envoy is in tests/test_dataplane_bench.py.
+run of `bench --quick` through a real Envoy is in tests/dataplane/test_dataplane_bench.py.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from tests.helpers import (
     eventually,
     extproc_exchange,
     free_port,
+    make_pod,
     metric_value,
     write_pods_file,
 )
@@ -53,9 +54,7 @@ TTL_S = 0.5
 
 
 def pod(name: str, port: int = 8000) -> Pod:
-    return Pod(
-        name=name, namespace="ns", model="m", address="127.0.0.1", port=port, metrics_port=port
-    )
+    return make_pod(name, address="127.0.0.1", port=port)
 
 
 X, Y = pod("x", 8001), pod("y", 8002)

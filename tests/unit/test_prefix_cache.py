@@ -24,6 +24,7 @@ from plugin.core.strategies.prefix_cache import PrefixCache, PrefixCacheSettings
 from plugin.core.strategies.simple import RandomPick
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import RoutingFailed
+from tests.helpers import make_pod
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +33,7 @@ B = 8  # block characters in the index tests: short prompts, many blocks
 
 
 def pod(name: str, model: str = MODEL) -> Pod:
-    return Pod(name, "ns", model, "10.0.0.1", 8000, 8000)
+    return make_pod(name, model=model)
 
 
 def cand(name: str, running: int = 0) -> Candidate:
