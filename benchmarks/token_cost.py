@@ -34,8 +34,8 @@ from typing import Any
 
 import aiohttp
 
-from plugin.adapters.envoy_config import BenchLayout
 from plugin.core.capacity import CapacityEstimator
+from plugin_tools.demo.envoy_layout import BenchLayout
 from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
 from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 from plugin_tools.docsection import write_section

@@ -18,10 +18,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from plugin.adapters.envoy_config import BenchLayout
 from plugin_tools.bench.client import Timing, chat_body, run_batch, run_interleaved
 from plugin_tools.bench.options import PARTS, BenchOptions
 from plugin_tools.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
+from plugin_tools.demo.envoy_layout import BenchLayout
 from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port, process_cpu_seconds
 from plugin_tools.demo.up import UpOptions, fleet_spec, run_demo
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, bootstrap_yaml, envoy_binary
+from plugin.adapters.envoy_config import EnvoyOptions, envoy_binary
+from plugin_tools.demo.envoy_layout import BenchLayout, bench_bootstrap_yaml
 from plugin_tools.mock_engine.model import PRESETS, EngineParams, saturated_output_tokens_per_s
 
 _rng = random.SystemRandom()
@@ -316,7 +317,7 @@ class LocalFleet:
         self, name: str, opts: EnvoyOptions, layout: BenchLayout | None = None
     ) -> asyncio.subprocess.Process:
         bootstrap = self.workdir / f"{name}.yaml"
-        bootstrap.write_text(bootstrap_yaml(opts, layout))
+        bootstrap.write_text(bench_bootstrap_yaml(opts, layout))
         return await self._spawn(
             name,
             [

@@ -15,12 +15,13 @@ import pytest
 from aiohttp import web
 
 from plugin.adapters import envoy_config as ec
-from plugin.adapters.envoy_config import BenchLayout, EnvoyOptions, render_bootstrap
+from plugin.adapters.envoy_config import EnvoyOptions, render_bootstrap
 from plugin.errors import ConfigError
 from plugin_tools.bench import cli as bench_cli
 from plugin_tools.bench.client import Batch, Timing, run_interleaved
 from plugin_tools.bench.options import BenchOptions
 from plugin_tools.bench.stats import CpuTotals, overhead_summary, routing_summary, streaming_summary
+from plugin_tools.demo.envoy_layout import BENCH_UPSTREAM_CLUSTER, BenchLayout, bench_bootstrap
 from tests.helpers import ServeApp, bootstrap_hcm, routing_filter
 
 pytestmark = pytest.mark.component
@@ -47,14 +48,14 @@ def _route_cluster(boot: dict[str, Any]) -> str:
 
 
 def test_default_layout_is_the_product_bootstrap() -> None:
-    assert render_bootstrap(EnvoyOptions(), BenchLayout()) == render_bootstrap(EnvoyOptions())
+    assert bench_bootstrap(EnvoyOptions(), BenchLayout()) == render_bootstrap(EnvoyOptions())
 
 
 def test_direct_layout_is_envoy_alone_to_one_endpoint() -> None:
-    boot = render_bootstrap(EnvoyOptions(), BenchLayout(plugin=False, upstream=UPSTREAM))
+    boot = bench_bootstrap(EnvoyOptions(), BenchLayout(plugin=False, upstream=UPSTREAM))
     assert _filters(boot) == ["envoy.filters.http.router"]
-    assert _clusters(boot) == [ec.BENCH_UPSTREAM_CLUSTER]
-    assert _route_cluster(boot) == ec.BENCH_UPSTREAM_CLUSTER
+    assert _clusters(boot) == [BENCH_UPSTREAM_CLUSTER]
+    assert _route_cluster(boot) == BENCH_UPSTREAM_CLUSTER
     (cluster,) = boot["static_resources"]["clusters"]
     endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9000}
@@ -69,7 +70,7 @@ def test_direct_layout_is_envoy_alone_to_one_endpoint() -> None:
             ["envoy.filters.http.ext_proc", "envoy.filters.http.router"],
             "NONE",
             "NONE",
-            ec.BENCH_UPSTREAM_CLUSTER,
+            BENCH_UPSTREAM_CLUSTER,
         ),
         (
             BenchLayout(count=False),
@@ -98,7 +99,7 @@ def test_plugin_layouts(
     response_body: str,
     cluster: str,
 ) -> None:
-    boot = render_bootstrap(EnvoyOptions(count_mode=count_mode), layout)
+    boot = bench_bootstrap(EnvoyOptions(count_mode=count_mode), layout)
     assert _filters(boot) == filters
     mode = routing_filter(boot)["processing_mode"]
     assert mode["request_body_mode"] == request_body

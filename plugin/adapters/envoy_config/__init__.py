@@ -25,7 +25,6 @@ from plugin.adapters.envoy_config.filters import (
     OPENAI_PATHS,
 )
 from plugin.adapters.envoy_config.options import (
-    BENCH_UPSTREAM_CLUSTER,
     COUNT_FILTER,
     COUNT_MODES,
     ENGINE_COUNT_CLOSE_S,
@@ -34,10 +33,10 @@ from plugin.adapters.envoy_config.options import (
     ORIGINAL_DST_CLUSTER,
     OVERRIDE_HOST_CLUSTER,
     STEERING_MODES,
-    BenchLayout,
     EnvoyOptions,
 )
 from plugin.adapters.envoy_config.render import (
+    bootstrap_dump,
     bootstrap_yaml,
     envoy_binary,
     render_bootstrap,
@@ -45,7 +44,6 @@ from plugin.adapters.envoy_config.render import (
 )
 
 __all__ = [
-    "BENCH_UPSTREAM_CLUSTER",
     "COUNT_FILTER",
     "COUNT_MODES",
     "ENGINE_COUNT_CLOSE_S",
@@ -57,8 +55,8 @@ __all__ = [
     "OVERRIDE_HOST_CLUSTER",
     "STEERING_MODES",
     "WIRINGS",
-    "BenchLayout",
     "EnvoyOptions",
+    "bootstrap_dump",
     "bootstrap_yaml",
     "envoy_binary",
     "generated_header",

@@ -11,7 +11,6 @@ from plugin.adapters.envoy_config.options import (
     COUNT_FILTER,
     ENGINE_COUNT_CLOSE_S,
     EXT_PROC_CLUSTER,
-    BenchLayout,
     EnvoyOptions,
     _duration,
     _type_url,
@@ -41,10 +40,10 @@ def _circuit_breakers() -> dict[str, Any]:
     }
 
 
-def _strips_usage(opts: EnvoyOptions, layout: BenchLayout) -> bool:
+def _strips_usage(opts: EnvoyOptions) -> bool:
     """The plugin counts response bodies: it may ask engines for usage, and a Lua filter takes
     the usage-only chunk out of streams whose client did not ask for it."""
-    return layout.plugin and layout.count and opts.count_mode in ("observe", "streamed")
+    return opts.count_mode in ("observe", "streamed")
 
 
 # The Lua filter that takes the usage-only event out of a stream the plugin asked usage for on
@@ -68,10 +67,10 @@ def _strip_usage_filter() -> dict[str, Any]:
     }
 
 
-def _pick_only(opts: EnvoyOptions, layout: BenchLayout) -> bool:
+def _pick_only(opts: EnvoyOptions) -> bool:
     """The routing filter only picks (no response phase) when a counting filter follows it:
     its stream then ends at the pick, so a plugin crash cannot cut a streaming response."""
-    return layout.plugin and layout.count and opts.count_mode in ("observe", "engine")
+    return opts.count_mode in ("observe", "engine")
 
 
 # Response headers AIBrix's gateway returns, added by Envoy's route when the routing filter only
@@ -86,11 +85,11 @@ _ROUTED_RESPONSE_HEADERS = (
 )
 
 
-def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
-    streamed = opts.count_mode == "streamed" and layout.count
-    pick_only = _pick_only(opts, layout)
+def _ext_proc_filter(opts: EnvoyOptions) -> dict[str, Any]:
+    streamed = opts.count_mode == "streamed"
+    pick_only = _pick_only(opts)
     metadata = [PICK_ONLY] if pick_only else []
-    if _strips_usage(opts, layout):
+    if _strips_usage(opts):
         metadata.append(STRIPS_USAGE)
     return {
         "name": "envoy.filters.http.ext_proc",
@@ -119,7 +118,7 @@ def _ext_proc_filter(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
                 "request_header_mode": "SEND",
                 # BUFFERED: the pick (a header mutation in the body reply) steers correctly even
                 # when the body arrives late; STREAMED / BUFFERED_PARTIAL can route wrongly.
-                "request_body_mode": "BUFFERED" if layout.request_body else "NONE",
+                "request_body_mode": "BUFFERED",
                 # Pick only: no response phase; the counting filter reads the status.
                 "response_header_mode": "SKIP" if pick_only else "SEND",
                 # STREAMED: the plugin sees every SSE chunk as it arrives (token usage) without
@@ -180,15 +179,13 @@ def _router_filter() -> dict[str, Any]:
     }
 
 
-def _http_filters(opts: EnvoyOptions, layout: BenchLayout) -> list[dict[str, Any]]:
-    if not layout.plugin:
-        return [_router_filter()]
-    observe = opts.count_mode in ("observe", "engine") and layout.count
+def _http_filters(opts: EnvoyOptions) -> list[dict[str, Any]]:
+    observe = opts.count_mode in ("observe", "engine")
     return [
         # First in the chain, so last on the response path: whatever counts tokens sees the
         # usage chunk before it is taken out.
-        *([_strip_usage_filter()] if _strips_usage(opts, layout) else []),
-        _ext_proc_filter(opts, layout),
+        *([_strip_usage_filter()] if _strips_usage(opts) else []),
+        _ext_proc_filter(opts),
         *([_count_filter(opts)] if observe else []),
         _router_filter(),
     ]

@@ -1,5 +1,5 @@
 """What a rendered bootstrap is made of: `EnvoyOptions` (the product's choices, checked) and
-`BenchLayout` (departures only `hetero-gateway bench` uses), and the names they share."""
+the names the renderer and the plugin share."""
 
 from __future__ import annotations
 
@@ -157,37 +157,3 @@ class EnvoyOptions:
             raise ValueError(
                 f"upstream_connect_timeout_s must be > 0, got {self.upstream_connect_timeout_s}"
             )
-
-
-BENCH_UPSTREAM_CLUSTER = "hetero_gateway_bench_upstream"
-
-
-@dataclass(frozen=True, slots=True)
-class BenchLayout:
-    """Departures from the product bootstrap that only `hetero-gateway bench` uses.
-
-    Each one gives up routing or token counting, which is the point when measuring what they
-    cost; `envoy-config` offers none of them. The default layout renders the product bootstrap.
-    """
-
-    # False: no ext_proc filter at all (the "Envoy direct" baseline).
-    plugin: bool = True
-    # False: the routing filter asks for request headers only (request_body_mode NONE). The
-    # plugin routes from the body's model, so it picks nothing and `upstream` must be set.
-    request_body: bool = True
-    # False: no token counting (no counting filter, response body NONE on the routing filter).
-    count: bool = True
-    # (IP, port): route every request to this one endpoint (a STATIC cluster) instead of the
-    # ORIGINAL_DST cluster the plugin steers.
-    upstream: tuple[str, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.upstream is None:
-            if not self.plugin or not self.request_body:
-                raise ValueError("without the plugin or the request body, set `upstream`")
-            return
-        host, port = self.upstream
-        if not _is_ip(host):
-            raise ValueError(f"upstream host must be an IP address, got {host!r}")
-        if not 0 < port <= 65535:
-            raise ValueError(f"upstream port must be in 1-65535, got {port}")

@@ -25,11 +25,9 @@ from plugin.adapters.envoy_config.options import (
     _H2_MIN_WINDOW,
     _INT32_MAX,
     _STREAM_IDLE_TIMEOUT_S,
-    BENCH_UPSTREAM_CLUSTER,
     EXT_PROC_CLUSTER,
     ORIGINAL_DST_CLUSTER,
     OVERRIDE_HOST_CLUSTER,
-    BenchLayout,
     EnvoyOptions,
     _duration,
     _is_ip,
@@ -44,7 +42,7 @@ from plugin.adapters.steering import (
 )
 
 
-def _routes(cluster: str, layout: BenchLayout, pick_only: bool) -> list[dict[str, Any]]:
+def _routes(cluster: str, pick_only: bool) -> list[dict[str, Any]]:
     forward: dict[str, Any] = {
         "cluster": cluster,
         # Route timeout counts the whole streamed response (default 15 s cuts long generations
@@ -61,8 +59,6 @@ def _routes(cluster: str, layout: BenchLayout, pick_only: bool) -> list[dict[str
             "retry_on": "connect-failure,refused-stream,reset-before-request",
             "num_retries": 1,
         }
-    if layout.upstream is not None:  # bench: one static upstream, every path
-        return [{"match": {"prefix": "/"}, "route": forward}]
     headers = [
         {
             "header": {"key": key, "value": value},
@@ -81,13 +77,9 @@ def _routes(cluster: str, layout: BenchLayout, pick_only: bool) -> list[dict[str
     ]
 
 
-def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
-    if layout.upstream is not None:
-        cluster = BENCH_UPSTREAM_CLUSTER
-    elif opts.steering == "override-host":
-        cluster = OVERRIDE_HOST_CLUSTER
-    else:
-        cluster = ORIGINAL_DST_CLUSTER
+def _listener(opts: EnvoyOptions) -> dict[str, Any]:
+    override = opts.steering == "override-host"
+    cluster = OVERRIDE_HOST_CLUSTER if override else ORIGINAL_DST_CLUSTER
     hcm = {
         "@type": _type_url(
             "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -108,11 +100,11 @@ def _listener(opts: EnvoyOptions, layout: BenchLayout) -> dict[str, Any]:
                 {
                     "name": "llm",
                     "domains": ["*"],
-                    "routes": _routes(cluster, layout, _pick_only(opts, layout)),
+                    "routes": _routes(cluster, _pick_only(opts)),
                 }
             ],
         },
-        "http_filters": _http_filters(opts, layout),
+        "http_filters": _http_filters(opts),
     }
     return {
         "name": "hetero_gateway_listener",
@@ -185,22 +177,6 @@ def _override_host_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     }
 
 
-def _static_upstream_cluster(opts: EnvoyOptions, host: str, port: int) -> dict[str, Any]:
-    return {
-        "name": BENCH_UPSTREAM_CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": _duration(opts.upstream_connect_timeout_s),
-        "per_connection_buffer_limit_bytes": opts.max_request_bytes,
-        "circuit_breakers": _circuit_breakers(),
-        "load_assignment": {
-            "cluster_name": BENCH_UPSTREAM_CLUSTER,
-            "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": _socket_address(host, port)}}]}
-            ],
-        },
-    }
-
-
 def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     # An IP is STATIC; a name (a Kubernetes Service, a compose host) needs DNS.
     kind = "STATIC" if _is_ip(opts.extproc_host) else "STRICT_DNS"
@@ -247,20 +223,18 @@ def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     }
 
 
-def render_bootstrap(opts: EnvoyOptions, layout: BenchLayout | None = None) -> dict[str, Any]:
+def render_bootstrap(opts: EnvoyOptions) -> dict[str, Any]:
     """The whole bootstrap as a plain dict, keys in a fixed order."""
-    layout = layout or BenchLayout()
-    if layout.upstream is None and opts.steering == "override-host":
-        clusters = [_override_host_cluster(opts)]
-    elif layout.upstream is None:
-        clusters = [_original_dst_cluster(opts)]
+    if opts.steering == "override-host":
+        steered = _override_host_cluster(opts)
     else:
-        clusters = [_static_upstream_cluster(opts, *layout.upstream)]
-    if layout.plugin:
-        clusters.append(_ext_proc_cluster(opts))
+        steered = _original_dst_cluster(opts)
     return {
         "admin": {"address": _socket_address(opts.admin_host, opts.admin_port)},
-        "static_resources": {"listeners": [_listener(opts, layout)], "clusters": clusters},
+        "static_resources": {
+            "listeners": [_listener(opts)],
+            "clusters": [steered, _ext_proc_cluster(opts)],
+        },
     }
 
 
@@ -276,9 +250,14 @@ def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def bootstrap_yaml(opts: EnvoyOptions, layout: BenchLayout | None = None) -> str:
+def bootstrap_yaml(opts: EnvoyOptions) -> str:
     """YAML text of `render_bootstrap` (key order kept, so the output is stable)."""
-    return yaml.dump(render_bootstrap(opts, layout), Dumper=_Dumper, sort_keys=False)
+    return bootstrap_dump(render_bootstrap(opts))
+
+
+def bootstrap_dump(boot: dict[str, Any]) -> str:
+    """YAML text of a rendered bootstrap: key order kept, the Lua source as a literal block."""
+    return yaml.dump(boot, Dumper=_Dumper, sort_keys=False)
 
 
 def envoy_binary() -> str:
