@@ -9,6 +9,7 @@ exactly what the product renders.
 from __future__ import annotations
 
 import copy
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +51,10 @@ class BenchLayout:
                 raise ValueError("without the plugin or the request body, set `upstream`")
             return
         host, port = self.upstream
-        # An IP, as Envoy's STATIC cluster needs (EnvoyOptions checks the same of its hosts).
-        EnvoyOptions(listen_host=host)
+        try:  # an IP, as Envoy's STATIC cluster needs
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"upstream host must be an IP address, got {host!r}") from None
         if not 0 < port <= 65535:
             raise ValueError(f"upstream port must be in 1-65535, got {port}")
 
