@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from plugin.core.profile import GpuProfile
+from plugin.core.profile import GpuProfile, parse_profile
 from plugin.core.request import DEFAULT_TOKENIZER
 from plugin.core.types import SloTarget
 from plugin_tools.demo.fleet import FleetSpec, LocalFleet
@@ -46,7 +46,15 @@ from plugin_tools.profile.store import write_profile
 from plugin_tools.profile.sweep import SteadySweepPlan, run_steady_sweep
 from plugin_tools.stats import percentile
 
-__all__ = ["MixResult", "SloBench", "profile_fleet", "run_mix", "score", "slo_fleet"]
+__all__ = [
+    "MixResult",
+    "SloBench",
+    "profile_fleet",
+    "run_mix",
+    "saved_profiles",
+    "score",
+    "slo_fleet",
+]
 
 DEPLOYMENT_LABEL = "app.kubernetes.io/name"  # AIBRIX_POD_DEPLOYMENT_LABEL's default
 
@@ -260,17 +268,36 @@ def score(result: MixResult, bench: SloBench, profiles: Mapping[str, GpuProfile]
     }
 
 
+def saved_profiles(bench: SloBench, profile_dir: Path) -> dict[str, GpuProfile] | None:
+    """The profiles an earlier run left in `profile_dir` (one per preset), or None if any is
+    missing."""
+    files = {p: profile_dir / bench.model / f"{p}.json" for p in dict.fromkeys(bench.presets)}
+    if not all(f.is_file() for f in files.values()):
+        return None
+    return {p: parse_profile(orjson.loads(f.read_bytes())) for p, f in files.items()}
+
+
 async def run_bench(
-    bench: SloBench, workdir: Path, log: Callable[[str], None] = print
+    bench: SloBench,
+    workdir: Path,
+    log: Callable[[str], None] = print,
+    profile_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """The whole experiment on a fresh fleet: profiles, then each strategy in turn."""
+    """The whole experiment on a fresh fleet: profiles, then each strategy in turn. With
+    `profile_dir` holding a profile per preset (an earlier run's), the sweeps are skipped and
+    those are routed by; else the sweeps write theirs there (or into `workdir`)."""
     from plugin_tools.demo.fleet import free_port
 
     port = bench.listen_port or free_port()
-    profile_dir = workdir / "profiles"
+    profile_dir = profile_dir or workdir / "profiles"
+    saved = saved_profiles(bench, profile_dir)
     fleet = slo_fleet(bench, profile_dir, port)
     async with fleet:
-        profiles = await profile_fleet(fleet, bench, profile_dir, log)
+        if saved is not None:
+            log(f"routing by the profiles in {profile_dir} (no sweep)")
+            profiles = saved
+        else:
+            profiles = await profile_fleet(fleet, bench, profile_dir, log)
         runs = []
         light = replace(
             bench, mix=tuple(replace(c, rate_per_s=c.rate_per_s * bench.light) for c in bench.mix)
