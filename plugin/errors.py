@@ -96,14 +96,16 @@ class NoModel(RequestError):
 
 
 class MethodNotAllowed(RequestError):
-    """An LLM path asked with another method than POST (405, as the OpenAI API answers)."""
+    """A path the gateway serves asked with another method than its own (405, as the OpenAI
+    API answers): POST on the LLM paths, GET on `/v1/models`."""
 
     status = 405
     code = "method_not_allowed"
     header = ("allow", "POST")
 
-    def __init__(self, method: str, path: str) -> None:
-        super().__init__(f"method {echo(method)} is not allowed on {path}: use POST")
+    def __init__(self, method: str, path: str, allowed: str = "POST") -> None:
+        super().__init__(f"method {echo(method)} is not allowed on {path}: use {allowed}")
+        self.header = ("allow", allowed)
 
 
 class UnknownModel(RequestError):

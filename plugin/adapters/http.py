@@ -20,7 +20,7 @@ from prometheus_client.utils import floatToGoString
 
 from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
-from plugin.adapters.scraper import MetricsScraper
+from plugin.adapters.scraper import UNREACHABLE, UNUSABLE, MetricsScraper
 from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
 from plugin.core.pool import PodPool
 from plugin.core.router import Buckets, PredictionStats, WaitStats
@@ -181,7 +181,17 @@ class GatewayCollector(Collector):
             labels=labels,
         )
         scrape_errors = CounterMetricFamily(
-            "hetero_gateway_engine_scrape_errors", "Failed engine /metrics scrapes.", labels=labels
+            "hetero_gateway_engine_scrape_errors",
+            "Failed engine /metrics scrapes by cause: unreachable (refused, reset or timed out: "
+            "out of rotation) or unusable (answered with no usable page: kept in rotation).",
+            labels=[*labels, "cause"],
+        )
+        health = GaugeMetricFamily(
+            "hetero_gateway_engine_health",
+            "1 for the pod's state as its last scrape showed it (up, unusable: answered with no "
+            "usable metrics page, routed by the gateway's own counts; unreachable: out of "
+            "rotation), 0 for the others.",
+            labels=[*labels, "state"],
         )
         for pod in self._pool.pods():
             values = [pod.key, pod.model]
@@ -197,7 +207,18 @@ class GatewayCollector(Collector):
             estimate = self._pool.capacity(pod.key)
             if estimate is not None:
                 capacity.add_metric(values, estimate)
-            scrape_errors.add_metric(values, self._scraper.errors_total.get(pod.key, 0))
+            for cause in (UNREACHABLE, UNUSABLE):
+                failed = self._scraper.errors_total.get((pod.key, cause), 0)
+                scrape_errors.add_metric([*values, cause], failed)
+            state = (
+                UNREACHABLE
+                if self._pool.unreachable(pod.key)
+                else UNUSABLE
+                if self._pool.metrics_unusable(pod.key) is not None
+                else "up"
+            )
+            for name in ("up", UNUSABLE, UNREACHABLE):
+                health.add_metric([*values, name], 1.0 if name == state else 0.0)
         errors = CounterMetricFamily(
             "hetero_gateway_request_errors",
             "Requests the plugin answered with an error itself.",
@@ -222,7 +243,8 @@ class GatewayCollector(Collector):
         fired = self._imbalance()
         for model in sorted(set(self._pool.models()) | set(fired)):
             gated.add_metric([model], fired.get(model, 0))
-        yield from (routed, tokens, inflight, remote, capacity, scrape_errors, errors, info, held)
+        yield from (routed, tokens, inflight, remote, capacity, scrape_errors, health, errors)
+        yield from (info, held)
         yield gated
         prefix = self._prefix_cache()
         if prefix:

@@ -1,8 +1,12 @@
 """Engine metrics scraper: every refresh interval, GET each pod's metrics page concurrently.
 
-A failing engine endpoint is logged (once per failure streak) and simply leaves that pod's
-metrics to go stale; nothing on the request path waits for a scrape. Capacity estimates refresh
-on the same tick (`docs/architecture.md`, step 7 of a request's path).
+Engine health comes from what the engine does. A refused, reset or timed-out connection says it
+is down: the pod leaves rotation at once (`PodPool.scrape_failed`). An answer is proof of life:
+a page that is of no use (not 200, a redirect, too big, no known metric) keeps the pod in
+rotation, flagged, routed by the gateway's own in-flight counts and learned capacity
+(`PodPool.scrape_unusable`). Either is logged once per streak and counted by cause; nothing on
+the request path waits for a scrape. Capacity estimates refresh on the same tick
+(`docs/architecture.md`, step 7 of a request's path).
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ MAX_METRICS_BYTES = 8 * 1024 * 1024
 # pods cost more CPU than the scrapes (`docs/plugin-cost.md`).
 MAX_CONCURRENT_SCRAPES = 64
 _NOTHING = EngineMetrics()
+UNREACHABLE, UNUSABLE = "unreachable", "unusable"  # the causes of a failed scrape
+
+
+class _Unusable(ValueError):
+    """The engine answered, with nothing the gateway can use."""
 
 
 _NAME_END = re.compile(r"[\s{]")
@@ -153,11 +162,11 @@ class MetricsScraper:
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
-        self._failing: set[str] = set()
+        self._failing: dict[str, str] = {}  # pod key -> the cause of its failing streak
         self._session: aiohttp.ClientSession | None = None  # while `run` runs
         self._probing: set[str] = set()
         self._probes: set[asyncio.Task[None]] = set()  # held: a task must not be collected
-        self.errors_total: dict[str, int] = {}
+        self.errors_total: dict[tuple[str, str], int] = {}  # (pod key, cause) -> failed scrapes
         # Parsed once per pod address and path: building a URL from text on every scrape of
         # every pod is a noticeable share of a tick at a thousand pods.
         self._urls: dict[tuple[str, int, str], URL] = {}
@@ -181,31 +190,52 @@ class MetricsScraper:
             # whatever address it names every tick.
             async with session.get(url, timeout=self._timeout, allow_redirects=False) as resp:
                 if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status} {resp.reason or ''}".rstrip())
+                    raise _Unusable(f"HTTP {resp.status} {resp.reason or ''}".rstrip())
                 body = bytearray()
-                async for chunk in resp.content.iter_chunked(64 * 1024):
-                    body += chunk
-                    if len(body) > MAX_METRICS_BYTES:
-                        raise ValueError(f"metrics page over {MAX_METRICS_BYTES} bytes")
+                try:
+                    async for chunk in resp.content.iter_chunked(64 * 1024):
+                        body += chunk
+                        if len(body) > MAX_METRICS_BYTES:
+                            raise _Unusable(f"metrics page over {MAX_METRICS_BYTES} bytes")
+                except aiohttp.ClientPayloadError as exc:  # answered, then a broken body
+                    raise _Unusable(f"broken page: {exc}") from exc
             metrics = parse_engine_metrics(body.decode("utf-8", "replace"))
             if metrics == _NOTHING:
-                raise ValueError("no known engine metric on the page")
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            self.errors_total[pod.key] = self.errors_total.get(pod.key, 0) + 1
-            self._pool.scrape_failed(pod.key)
-            if pod.key not in self._failing:
-                self._failing.add(pod.key)
-                log.warning(
-                    "metrics scrape of %s (%s) failed: %r; out of rotation until it answers",
-                    pod.key,
-                    url,
-                    exc,
-                )
+                raise _Unusable("no known engine metric on the page")
+        except _Unusable as exc:
+            self._pool.scrape_unusable(pod.key, str(exc))
+            self._failed(pod, url, UNUSABLE, str(exc))
             return
-        if pod.key in self._failing:
-            self._failing.discard(pod.key)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            self._pool.scrape_failed(pod.key)
+            self._failed(pod, url, UNREACHABLE, repr(exc))
+            return
+        if self._failing.pop(pod.key, None) is not None:
             log.info("metrics scrape of %s recovered", pod.key)
         self._pool.update_metrics(pod.key, metrics, self._clock())
+
+    def _failed(self, pod: Pod, url: URL, cause: str, why: str) -> None:
+        """Count a failed scrape; log the first of a streak of the same cause."""
+        key = (pod.key, cause)
+        self.errors_total[key] = self.errors_total.get(key, 0) + 1
+        if self._failing.get(pod.key) == cause:
+            return
+        self._failing[pod.key] = cause
+        if cause == UNREACHABLE:
+            log.warning(
+                "metrics scrape of %s (%s) failed: %s; out of rotation until it answers",
+                pod.key,
+                url,
+                why,
+            )
+        else:
+            log.warning(
+                "metrics page of %s (%s) is of no use: %s; it stays in rotation, routed by the "
+                "gateway's own counts (check the pod's metrics port and path)",
+                pod.key,
+                url,
+                why,
+            )
 
     async def _bounded(
         self, gate: asyncio.Semaphore, session: aiohttp.ClientSession, pod: Pod
@@ -231,9 +261,10 @@ class MetricsScraper:
         present = {p.key for p in pods}
         if len(self._urls) > 2 * len(pods) + 64:  # addresses of pods long gone
             self._urls = {(p.address, p.metrics_port, p.metrics_path): self._url(p) for p in pods}
-        for key in self.errors_total.keys() - present:
+        for key in [k for k in self.errors_total if k[0] not in present]:
             del self.errors_total[key]
-        self._failing &= present
+        for gone in self._failing.keys() - present:
+            del self._failing[gone]
 
     def probe(self, pod: Pod) -> None:
         """Scrape this pod now, outside the tick (a request on it just failed): a dead engine

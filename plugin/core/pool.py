@@ -310,26 +310,32 @@ class PodPool:
         record = self._records.get(key)
         return record is not None and record.unreachable
 
+    def metrics_unusable(self, key: str) -> str | None:
+        """Why the engine's last answer to a scrape was of no use; None if it was usable."""
+        record = self._records.get(key)
+        return None if record is None else record.metrics_unusable
+
     def scrape_failed(self, key: str) -> None:
-        """The engine did not answer its metrics scrape (dead, hung, or not 200): it leaves the
-        candidates at once, not after some requests failed or hung on it, and comes back with
-        the next scrape it answers. If every pod of a model is out, all stay candidates."""
-        record = self._listed(key)
-        if record is not None and not record.unreachable:
-            record.unreachable = True
-            record.mark_dirty()
+        """The engine did not answer its metrics scrape (refused, reset or timed out: dead or
+        hung): it leaves the candidates at once, not after some requests failed or hung on it,
+        and comes back with the next scrape it answers. If every pod of a model is out, all
+        stay candidates."""
+        if (record := self._listed(key)) is not None:
+            record.unanswered()
+
+    def scrape_unusable(self, key: str, why: str) -> None:
+        """The engine answered its metrics scrape with nothing usable (`why`: not 200, no known
+        metric...): it is alive, so it stays in (or comes back to) rotation, routed by this
+        gateway's in-flight counts and learned capacity while its engine metrics go stale."""
+        if (record := self._listed(key)) is not None:
+            record.answered(why)
 
     # background ------------------------------------------------------------------------------
     def update_metrics(self, key: str, metrics: EngineMetrics, now: float) -> None:
         record = self._listed(key)
         if record is None:
             return
-        if record.unreachable:
-            # It answers again: back in rotation, and an ejection for failed requests (a dead
-            # engine refusing connections) ends with it, instead of waiting out its backoff.
-            record.unreachable = False
-            record.health = None
-            record.mark_dirty()
+        record.answered(None)
         scraped = record.scraped = Scraped(metrics, now, now + self._metrics_max_age_s)
         record.speed.read_generated(self._capacity, key, metrics, now)
         declared = self._pods[key].max_num_seqs

@@ -156,6 +156,8 @@ class PodRecord:
     # Health and what its engine showed.
     health: Health | None = None
     unreachable: bool = False  # its last metrics scrape failed: out of rotation until one works
+    # Why its engine's last answer to a scrape was of no use (in rotation all the same).
+    metrics_unusable: str | None = None
     scraped: Scraped | None = None
     cap: BatchCap = field(default_factory=BatchCap)
     speed: PodSpeed = field(default_factory=PodSpeed)
@@ -165,6 +167,22 @@ class PodRecord:
         """Where the pod's capacity is learned from: `engine` (its generated-token counter)
         or `gateway` (the output tokens counted in its responses)."""
         return "gateway" if self.speed.engine_tokens is None else "engine"
+
+    def unanswered(self) -> None:
+        """Its engine did not answer a scrape: out of rotation."""
+        if not self.unreachable:
+            self.unreachable = True
+            self.mark_dirty()
+
+    def answered(self, unusable: str | None) -> None:
+        """Its engine answered a scrape (`unusable`: why the page was of no use, else None)."""
+        self.metrics_unusable = unusable
+        if self.unreachable:
+            # Back in rotation, and an ejection for failed requests (a dead engine refusing
+            # connections) ends with it, instead of waiting out its backoff.
+            self.unreachable = False
+            self.health = None
+            self.mark_dirty()
 
     def take(self, load: float, prompt_tokens: int) -> None:
         """A lease on the pod (`PodPool.acquire`)."""
@@ -263,6 +281,7 @@ class PodRecord:
             "saturation_source": cap.source(pod.max_num_seqs),
             "ejected": self.ejected(now),
             "unreachable": self.unreachable,
+            "metrics_unusable": self.metrics_unusable,
             "engine": None
             if scraped is None
             else {

@@ -504,9 +504,8 @@ async def test_counting_filter_ignores_failed_responses_and_unknown_pods(
     [
         ("/healthz", "POST", b'{"model": "m"}'),
         ("/v1/embeddings", "POST", b'{"model": "m", "input": "x"}'),
-        ("/v1/models", "POST", b"{}"),
     ],
-    ids=["post-healthz", "post-embeddings", "post-models"],
+    ids=["post-healthz", "post-embeddings"],
 )
 async def test_other_paths_pass_through_untouched(
     running: Running, path: str, method: str, body: bytes | None
@@ -745,6 +744,47 @@ async def test_ready_only_once_the_engines_have_been_scraped(
         await runner.cleanup()
 
 
+async def test_an_engine_whose_metrics_page_is_of_no_use_stays_in_rotation(
+    tmp_path: Path, serve_app: Callable[..., Any], reserve_port: Callable[[], int]
+) -> None:
+    """Three engines: one with a vLLM page, one answering 404 (a wrong metrics path), one
+    refusing. The 404 one is alive: it stays a candidate, flagged in /debug/pods and in
+    `hetero_gateway_engine_health`; only the refusing one is out."""
+
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 1\nvllm:num_requests_waiting 0\n")
+
+    live_app, wrong_app = web.Application(), web.Application()  # the second serves no /metrics
+    live_app.router.add_get("/metrics", page)
+    live = Pod("live", "default", MODEL, "127.0.0.1", await serve_app(live_app), 0)
+    wrong = Pod("wrong", "default", MODEL, "127.0.0.1", await serve_app(wrong_app), 0)
+    dead = Pod("dead", "default", MODEL, "127.0.0.1", reserve_port(), 0)
+    pods = [live, wrong, dead]
+    source = StaticFileSource(str(write_pods_file(tmp_path / "pods.yaml", pods)), 30.0)
+    gateway = Gateway(gateway_settings(SETTINGS_ENV), source, "127.0.0.1")
+    async with _probing(gateway) as (channel, url), aiohttp.ClientSession() as http:
+        await _until_serving(channel)
+        base = url.removesuffix("/readyz")
+        async with http.get(f"{base}/debug/pods") as resp:
+            described = (await resp.json())["pods"]
+        assert {k: (v["unreachable"], v["metrics_unusable"]) for k, v in described.items()} == {
+            live.key: (False, None),
+            wrong.key: (False, "HTTP 404 Not Found"),
+            dead.key: (True, None),
+        }
+        now = gateway.router.now()
+        assert {c.pod.key for c in gateway.pool.candidates(MODEL, now)} == {live.key, wrong.key}
+        async with http.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+    health = _samples(text, "hetero_gateway_engine_health")
+    up = {dict(k)["pod"]: dict(k)["state"] for k, v in health.items() if v == 1.0}
+    assert up == {live.key: "up", wrong.key: "unusable", dead.key: "unreachable"}
+    assert len(health) == 9  # every state of every pod, 0 where it is not
+    errors = _samples(text, "hetero_gateway_engine_scrape_errors_total")
+    failed = {(dict(k)["pod"], dict(k)["cause"]) for k, v in errors.items() if v > 0}
+    assert failed == {(wrong.key, "unusable"), (dead.key, "unreachable")}
+
+
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     out: dict[tuple[tuple[str, str], ...], float] = {}
     for family in text_string_to_metric_families(text):
@@ -962,13 +1002,25 @@ async def test_a_huge_unknown_model_name_gets_a_small_400(running: Running) -> N
     await stream.finish()
 
 
-@pytest.mark.parametrize("method", ["GET", "PUT"])
-async def test_an_llm_path_with_another_method_is_405(running: Running, method: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "method", "allowed"),
+    [
+        ("/v1/chat/completions", "GET", b"POST"),
+        ("/v1/chat/completions", "PUT", b"POST"),
+        ("/v1/models", "POST", b"GET"),
+        ("/v1/models", "DELETE", b"GET"),
+    ],
+)
+async def test_a_path_the_gateway_serves_asked_with_another_method_is_405(
+    running: Running, path: str, method: str, allowed: bytes
+) -> None:
+    """Not passed on to an engine (which would answer 503 "no replica" through Envoy): the
+    gateway serves these paths itself."""
     stream = Stream(running.stub)
-    reply = await stream.send(request_headers(path="/v1/chat/completions", method=method))
+    reply = await stream.send(request_headers(path=path, method=method))
     immediate = reply.immediate_response
     assert immediate.status.code == 405
-    assert set_headers(immediate.headers)["allow"] == b"POST"
+    assert set_headers(immediate.headers)["allow"] == allowed
     error = orjson.loads(immediate.body)["error"]
     assert error["code"] == "method_not_allowed" and error["type"] == "invalid_request_error"
     await stream.finish()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import socket
 from collections.abc import Awaitable, Callable
@@ -431,6 +432,7 @@ class Engine:
     status: int = 200
     body: str = VLLM_TEXT
     hits: int = 0
+    hang: bool = False  # answer nothing (a hung engine): the scrape times out
 
 
 ServeFn = Callable[[Engine], Awaitable[Engine]]
@@ -443,6 +445,8 @@ def serve(serve_app: ServeApp) -> ServeFn:
     async def start(engine: Engine) -> Engine:
         async def metrics(_: web.Request) -> web.Response:
             engine.hits += 1
+            if engine.hang:
+                await asyncio.sleep(30.0)
             if engine.status != 200:
                 return web.Response(status=engine.status, text="boom")
             return web.Response(text=engine.body, content_type="text/plain")
@@ -498,33 +502,66 @@ def _by_key(pool: PodPool, now: float) -> dict[str, tuple[float | None, float | 
 async def test_tick_records_good_pod_and_counts_failing_ones(
     fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
+    """a answers its page, b answers 500 (alive, page of no use), c refuses the connection."""
     await fleet.scraper.tick(http)
 
     assert fleet.engine_a.hits == 1 and fleet.engine_b.hits == 1
-    assert fleet.scraper.errors_total == {fleet.b.key: 1, fleet.c.key: 1}
+    a, b, c = fleet.a.key, fleet.b.key, fleet.c.key
+    assert fleet.scraper.errors_total == {(b, "unusable"): 1, (c, "unreachable"): 1}
     now = fleet.clock.now
-    assert _by_key(fleet.pool, now) == {fleet.a.key: (2.0, 0.4375)}  # b and c: out of rotation
-    engines = {k: v["engine"] for k, v in fleet.pool.snapshot(now)["pods"].items()}
-    assert engines[fleet.a.key] == {"running": 7.0, "waiting": 2.0, "kv_usage": 0.4375, "age_s": 0}
-    assert engines[fleet.b.key] is None and engines[fleet.c.key] is None
+    # c is out of rotation; b stays in it, with no engine metrics (routed by in-flight counts).
+    assert _by_key(fleet.pool, now) == {a: (2.0, 0.4375), b: (None, None)}
+    pods = fleet.pool.snapshot(now)["pods"]
+    assert pods[a]["engine"] == {"running": 7.0, "waiting": 2.0, "kv_usage": 0.4375, "age_s": 0}
+    assert pods[b]["engine"] is None and pods[c]["engine"] is None
+    assert [k for k, v in pods.items() if v["unreachable"]] == [c]
+    assert {k: v["metrics_unusable"] for k, v in pods.items()} == {
+        a: None,
+        b: "HTTP 500 Internal Server Error",
+        c: None,
+    }
 
-    # The pods whose scrape failed are out of rotation: every request goes to the one that
-    # answered, although the others are idle too (and a missing KV metric counts as free).
-    strategy = build_strategies()["load-balance"]
-    for _ in range(5):
+    # Only the pod that did not answer is out: requests go to both others by their counts.
+    strategy = build_strategies()["least-request"]
+    leases = []
+    for _ in range(6):
         answer = strategy.admit(
             fleet.pool.candidates(MODEL, now), RequestInfo(MODEL), random.Random(0), now
         )
-        assert isinstance(answer, Route) and answer.candidate.pod == fleet.a
-    assert [k for k, v in fleet.pool.snapshot(now)["pods"].items() if v["unreachable"]] == sorted(
-        [fleet.b.key, fleet.c.key]
-    )
+        assert isinstance(answer, Route) and answer.candidate.pod != fleet.c
+        leases.append(fleet.pool.acquire(answer.candidate.pod))
+    assert (fleet.pool.inflight(a), fleet.pool.inflight(b)) == (3, 3)
 
     await fleet.scraper.tick(http)
-    assert fleet.scraper.errors_total == {fleet.b.key: 2, fleet.c.key: 2}
+    assert fleet.scraper.errors_total == {(b, "unusable"): 2, (c, "unreachable"): 2}
 
 
-async def test_garbage_body_counts_as_failed_scrape(
+async def test_a_pod_that_answers_again_comes_back_and_one_that_stops_leaves(
+    fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    """Unreachable, then answering with a page of no use: back in rotation; then refusing
+    again: out."""
+    await fleet.scraper.tick(http)
+    c = fleet.c.key
+    assert fleet.pool.unreachable(c)
+    fleet.pool.set_pods(
+        [
+            fleet.a,
+            fleet.b,
+            dataclasses.replace(
+                fleet.c, port=fleet.engine_b.port, metrics_port=fleet.engine_b.port
+            ),
+        ]
+    )
+    await fleet.scraper.tick(http)
+    assert not fleet.pool.unreachable(c)
+    assert c in _by_key(fleet.pool, fleet.clock.now)
+    fleet.pool.set_pods([fleet.a, fleet.b, fleet.c])  # its old, refused address
+    await fleet.scraper.tick(http)
+    assert fleet.pool.unreachable(c) and c not in _by_key(fleet.pool, fleet.clock.now)
+
+
+async def test_garbage_body_counts_as_an_unusable_scrape(
     serve: ServeFn, http: aiohttp.ClientSession
 ) -> None:
     engine = await serve(Engine(port=0, body="<html><body>Not Found</body></html>\n"))
@@ -534,8 +571,10 @@ async def test_garbage_body_counts_as_failed_scrape(
     await scraper.tick(http)
 
     assert engine.hits == 1
-    assert scraper.errors_total == {pod.key: 1}
-    assert pool.snapshot(100.0)["pods"][pod.key]["engine"] is None
+    assert scraper.errors_total == {(pod.key, "unusable"): 1}
+    described = pool.snapshot(100.0)["pods"][pod.key]
+    assert described["engine"] is None and not described["unreachable"]
+    assert described["metrics_unusable"] == "no known engine metric on the page"
 
 
 @pytest.mark.parametrize(
@@ -563,7 +602,7 @@ async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
     fleet.clock.now = first + 2.0
     await fleet.scraper.tick(http)
 
-    assert fleet.scraper.errors_total[fleet.a.key] == 1
+    assert fleet.scraper.errors_total[(fleet.a.key, "unusable")] == 1
     # Still within max age of the last good scrape: visible.
     assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == (2.0, 0.4375)
     # The failed tick did not refresh the timestamp: past max age of the first scrape, hidden.
@@ -575,7 +614,8 @@ async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
     fleet.clock.now = first + 10.0
     await fleet.scraper.tick(http)
     assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == (5.0, 0.9)
-    assert fleet.scraper.errors_total[fleet.a.key] == 1
+    assert fleet.scraper.errors_total[(fleet.a.key, "unusable")] == 1
+    assert fleet.pool.snapshot(fleet.clock.now)["pods"][fleet.a.key]["metrics_unusable"] is None
 
 
 async def test_tick_refreshes_capacity(fleet: Fleet, http: aiohttp.ClientSession) -> None:
@@ -676,31 +716,39 @@ async def test_a_redirect_is_not_followed(
     app.router.add_get("/metrics", redirect)
     port = await serve_app(app)
     pod = _pod("r", port)
-    _, scraper = _one_pod_scraper(pod)
+    pool, scraper = _one_pod_scraper(pod)
     await scraper.tick(http)
     assert target.hits == 0
-    assert scraper.errors_total == {pod.key: 1}
+    assert scraper.errors_total == {(pod.key, "unusable"): 1}  # an answer: still in rotation
+    assert not pool.unreachable(pod.key)
 
 
 async def test_a_failed_request_probes_its_engine_at_once(serve: ServeFn) -> None:
     """A 5xx on a pod makes the scraper scrape it now, not at its next tick: an engine that
-    stopped answering leaves rotation after one failed request."""
+    stopped answering leaves rotation after one failed request; one that answers (a 503 page
+    included) stays."""
     engine = await serve(Engine(port=0))
     a, b = _pod("a", engine.port), _pod("b", engine.port)
     pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
     pool.set_pods([a, b])
-    scraper = MetricsScraper(pool, interval_s=3600.0, timeout_s=2.0)  # one tick, at start
+    scraper = MetricsScraper(pool, interval_s=3600.0, timeout_s=0.3)  # one tick, at start
     pool.on_failure = scraper.probe
     running = asyncio.create_task(scraper.run())
     try:
         await eventually(lambda: engine.hits == 2, "the first tick")
-        engine.status = 503  # the engine behind `a` stops answering
+        engine.status = 503  # the engine answers its page with an error: alive
+        pool.acquire(a).release(0, 503, 1.0)
+        await eventually(lambda: engine.hits == 3, "the probe of a")
+        await eventually(lambda: pool.metrics_unusable(a.key) is not None, "a flagged")
+        assert not pool.unreachable(a.key)
+        engine.hang = True  # the engine behind `a` stops answering
         pool.acquire(a).release(0, 503, 1.0)
         await eventually(lambda: pool.unreachable(a.key), "the probe of a")
-        assert engine.hits == 3 and not pool.unreachable(b.key)
+        assert engine.hits == 4 and not pool.unreachable(b.key)
         pool.acquire(a).release(0, 503, 1.0)  # another failure while out: probed again
-        await eventually(lambda: engine.hits == 4, "a second probe")
-        engine.status = 200
+        await eventually(lambda: engine.hits == 5, "a second probe")
+        await eventually(lambda: not scraper._probing, "the probe to time out")
+        engine.hang, engine.status = False, 200
         pool.acquire(a).release(0, 502, 1.0)
         await eventually(lambda: not pool.unreachable(a.key), "a back once it answers")
     finally:
@@ -746,7 +794,7 @@ async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(
     await scraper.tick(http)
 
     assert paths == ["/prometheus/metrics"] * 2
-    assert scraper.errors_total == {elsewhere.key: 2}
+    assert scraper.errors_total == {(elsewhere.key, "unusable"): 2}
     last = readings[-1]
     snapshot = pool.snapshot(clock.now)["pods"][trt.key]
     engine = {k: snapshot["engine"][k] for k in ("running", "waiting", "kv_usage")}
@@ -754,8 +802,10 @@ async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(
     assert (snapshot["saturation"], snapshot["saturation_source"]) == (cap, "engine")
     assert snapshot["token_source"] == "engine"
     assert estimator.total(trt.key) == last.generated - readings[0].generated
-    (candidate,) = pool.candidates(MODEL, clock.now)  # the other pod is out of rotation
+    # The other pod answers 404 there: in rotation, without engine metrics.
+    candidate, other = pool.candidates(MODEL, clock.now)
     assert (candidate.pod, candidate.waiting, candidate.kv_usage) == (trt, last.waiting, last.kv)
+    assert (other.pod, other.waiting, other.kv_usage) == (elsewhere, None, None)
     assert candidate.saturation == cap  # exact, as a declared cap
 
 

@@ -375,6 +375,10 @@ async def test_only_the_openai_paths_reach_an_engine(fleet: LocalFleet) -> None:
             assert (await resp.json())["error"]["code"] == "method_not_allowed"
         async with session.get(f"{fleet.envoy_url}/v1/models") as resp:
             assert resp.status == 200  # answered by the plugin from discovery
+        for method in ("POST", "DELETE"):
+            async with session.request(method, f"{fleet.envoy_url}/v1/models") as resp:
+                assert resp.status == 405 and resp.headers["allow"] == "GET", method
+                assert (await resp.json())["error"]["code"] == "method_not_allowed"
 
 
 async def test_client_cannot_steer_an_unrouted_path(fleet: LocalFleet) -> None:

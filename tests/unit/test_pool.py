@@ -357,6 +357,29 @@ def test_an_answering_engine_ends_its_5xx_ejection_only_after_it_was_unreachable
     assert names(pool, 2.0) == {"a", "b"} and not pool.ejected(a.key, 2.0)
 
 
+def test_an_engine_that_answers_with_an_unusable_page_stays_in_rotation_flagged() -> None:
+    """An answer is proof of life: a 404 page keeps the pod a candidate (its old metrics go
+    stale as usual), brings an unreachable one back and ends its ejection; a usable page
+    clears the flag."""
+    a, b = pod("a"), pod("b")
+    pool = make_pool(a, b)
+    pool.update_metrics(a.key, EngineMetrics(3.0, 1.0, 0.5), 1.0)
+    pool.scrape_unusable(a.key, "HTTP 404 Not Found")
+    assert names(pool, 1.5) == {"a", "b"} and not pool.unreachable(a.key)
+    assert pool.metrics_unusable(a.key) == "HTTP 404 Not Found"
+    assert pool.snapshot(1.5)["pods"][a.key]["metrics_unusable"] == "HTTP 404 Not Found"
+    (stale,) = [c for c in pool.candidates("m", 100.0) if c.pod.key == a.key]
+    assert (stale.waiting, stale.kv_usage) == (None, None)  # routed by the gateway's counts
+    fail(pool, a, 3, 2.0)
+    pool.scrape_failed(a.key)  # dead: out
+    assert names(pool, 2.0) == {"b"}
+    pool.scrape_unusable(a.key, "HTTP 503 Service Unavailable")  # it answers again
+    assert names(pool, 2.5) == {"a", "b"} and not pool.ejected(a.key, 2.5)
+    pool.update_metrics(a.key, EngineMetrics(0.0, 0.0, 0.1), 3.0)
+    assert pool.metrics_unusable(a.key) is None
+    assert pool.metrics_unusable("ns/unknown") is None
+
+
 def test_unreachable_pods_come_back_before_failing_ones_when_nothing_else_is_left() -> None:
     a, b = pod("a"), pod("b")
     pool = make_pool(a, b)

@@ -167,7 +167,9 @@ class RoutingProcessor:
             return self._fail(Unauthorized())
         path = headers.get(":path", "").split("?", 1)[0]
         method = headers.get(":method", "POST")
-        if path == MODELS_PATH and method == "GET":
+        if path == MODELS_PATH:
+            if method != "GET":
+                return self._fail(MethodNotAllowed(method, path, "GET"))
             # No single engine knows every model behind the gateway; the gateway does.
             body = models_list(self._router.pool.serving_models())
             return _immediate(200, body, _JSON_HEADERS, "hetero_gateway_models")
