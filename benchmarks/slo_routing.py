@@ -83,7 +83,9 @@ def render(doc: dict[str, Any]) -> str:
         *_table([r for r in doc["runs"] if r.get("mix") == "light"]),
         "",
         "Profiles the sweeps produced (requests/s each GPU type sustains within the SLO, per "
-        "input length, 32 output tokens):",
+        "input length, 32 output tokens"
+        + ("" if doc.get("swept", True) else "; swept by an earlier run, reused with `--profiles`")
+        + "):",
         "",
     ]
     for gpu, p in doc["profiles"].items():

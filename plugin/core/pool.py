@@ -18,6 +18,7 @@ from typing import Any
 from plugin.core.batch_cap import CapLearning
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.config_profile import ModelConfig
+from plugin.core.lease import Lease
 from plugin.core.pod_speed import PodSpeed
 from plugin.core.pool_state import EjectionPolicy, ModelState, PodRecord, Scraped
 from plugin.core.profile import GpuProfile, ProfileBook
@@ -27,38 +28,6 @@ from plugin.core.view import CandidateView
 from plugin.errors import NoReadyPod, UnknownModel
 
 __all__ = ["EjectionPolicy", "Lease", "PodPool"]
-
-
-class Lease:
-    """One routed request's hold on a pod's in-flight slot (and its share of the pod's load)."""
-
-    __slots__ = ("_pool", "key", "load", "pod", "prompt_tokens", "released")
-
-    def __init__(self, pool: PodPool, pod: Pod, load: float = 0.0, prompt_tokens: int = 0) -> None:
-        self._pool = pool
-        self.pod = pod
-        self.key = pod.key
-        self.load = load
-        self.prompt_tokens = prompt_tokens
-        self.released = False
-
-    def release(
-        self,
-        output_tokens: int = 0,
-        status: int = 0,
-        now: float | None = None,
-        estimated: bool = False,
-    ) -> bool:
-        """Give the slot back, credit tokens and report the upstream status (0: none seen);
-        `estimated`: the engine did not report the count, the gateway estimated it.
-
-        Later calls do nothing (returns False).
-        """
-        if self.released:
-            return False
-        self.released = True
-        self._pool._on_release(self, output_tokens, status, now, estimated)
-        return True
 
 
 class PodPool:
@@ -103,13 +72,14 @@ class PodPool:
         self._remote: dict[str, int] = {}
         self._shared = SharedTokens()
         self.loaded = False  # True once discovery delivered its first list
-        # Told after every lease release (the router wakes requests held for that model), and
-        # after anything else that may let a held request in: new pods, a scrape tick (metrics
-        # and capacity), other gateways' counts.
+        # Told after every lease release or shrink (`Lease.streaming`): the router wakes
+        # requests held for that model.
         self.on_release: Callable[[Pod], None] | None = None
         # A request on this pod failed (5xx): the scraper checks the engine at once, so a dead
         # one leaves rotation after one failure instead of at the next scrape tick.
         self.on_failure: Callable[[Pod], None] | None = None
+        # Told after anything else that may let a held request in: new pods, a scrape tick
+        # (metrics and capacity), other gateways' counts.
         self.on_change: Callable[[], None] | None = None
 
     def _listed(self, key: str) -> PodRecord | None:
@@ -250,9 +220,16 @@ class PodPool:
             candidate.load = record.load
             state.view.changed(order)
 
-    def acquire(self, pod: Pod, load: float = 0.0, prompt_tokens: int = 0) -> Lease:
-        """Take an in-flight slot on `pod`; `load` is the request's share of it (SLO routing),
-        `prompt_tokens` its prompt's (what the engine prefills before its first chunk)."""
+    def acquire(
+        self,
+        pod: Pod,
+        load: float = 0.0,
+        prompt_tokens: int = 0,
+        streaming_load: float | None = None,
+    ) -> Lease:
+        """Take an in-flight slot on `pod`; `load` is the request's share of it (SLO routing)
+        until its response streams, `streaming_load` from then on (`Lease.streaming`; None: the
+        same), `prompt_tokens` its prompt's (what the engine prefills before its first chunk)."""
         key = pod.key
         record = self._records.get(key)
         if record is None:  # a pod the caller knows and discovery no longer lists
@@ -260,7 +237,17 @@ class PodPool:
         prompt_tokens = max(prompt_tokens, 0)
         record.take(load, prompt_tokens)
         self._inflight_changed(key, record)
-        return Lease(self, pod, load, prompt_tokens)
+        return Lease(self, pod, load, prompt_tokens, streaming_load)
+
+    def lease_streaming(self, lease: Lease) -> None:
+        """`Lease.streaming`'s work: the pod's load drops to the lease's streaming share."""
+        key = lease.key
+        record = self._records[key]
+        record.load = max(0.0, record.load - (lease.load - lease.streaming_load))
+        lease.load = lease.streaming_load
+        self._inflight_changed(key, record)
+        if self.on_release is not None:
+            self.on_release(lease.pod)
 
     def pod_by_endpoint(self, endpoint: str) -> Pod | None:
         """The pod behind a `target-pod` IP:PORT (the counting filter knows only that)."""
@@ -279,9 +266,10 @@ class PodPool:
         if record.speed.engine_tokens is None:  # else the engine's counter teaches capacity
             self._shared.credit(self._capacity, key, record, tokens)
 
-    def _on_release(
+    def lease_ended(
         self, lease: Lease, output_tokens: int, status: int, now: float | None, estimated: bool
     ) -> None:
+        """`Lease.release`'s work: the counts return, the tokens and the status are learned."""
         pod = lease.pod
         key = pod.key
         record = self._records[key]

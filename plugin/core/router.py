@@ -442,7 +442,9 @@ class Router:
                     request = dataclasses.replace(request, predicted_output_tokens=predicted)
         answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
-            lease = self.pool.acquire(answer.candidate.pod, answer.load, request.prompt_tokens)
+            lease = self.pool.acquire(
+                answer.candidate.pod, answer.load, request.prompt_tokens, answer.streaming_load
+            )
             strategy.routed(answer.candidate, request)
             return self._decided(answer, request, asked.name, lease, now)
         if type(answer) is Reject:
@@ -545,7 +547,10 @@ class Router:
         if type(answer) is Route:
             self._forget(waiter)
             lease = self.pool.acquire(
-                answer.candidate.pod, answer.load, waiter.request.prompt_tokens
+                answer.candidate.pod,
+                answer.load,
+                waiter.request.prompt_tokens,
+                answer.streaming_load,
             )
             strategy.routed(answer.candidate, waiter.request)
             decision = self._decided(answer, waiter.request, strategy.name, lease, now)

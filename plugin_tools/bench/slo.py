@@ -317,6 +317,7 @@ async def run_bench(
     return {
         "bench": _describe(bench),
         "profiles": {k: p.to_json() for k, p in profiles.items()},
+        "swept": saved is None,  # False: routed by an earlier run's profiles
         "runs": runs,
     }
 

@@ -336,6 +336,9 @@ def simulate(
             i, duration, chunks = data
             decoded = engines[i].decoding  # streams that get a chunk from this step
             done = engines[i].finish_step(now, duration, chunks)
+            for seq, _ in chunks:
+                if seq.first_token_at == now:  # its first chunk: its prompt is done
+                    leases[seq.rid].streaming()
             if gw.chunk_gaps:
                 key = pods[i].key
                 steps = spanned[i]

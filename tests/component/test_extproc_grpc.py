@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
 from plugin.adapters.serve import Gateway
 from plugin.adapters.steering import PROMPT_TOKENS_HEADER
-from plugin.core.pool import PodPool
+from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import Admission, Route, Strategy, Wait, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
 from tests.helpers import StartGateway, eventually, gateway_settings, header_map, write_pods_file
@@ -233,10 +233,26 @@ async def _route(r: Running, strategy: str | None = None) -> tuple[Stream, str]:
 # --- the routed request -------------------------------------------------------------------------
 
 
-async def test_routed_streaming_request_full_cycle(running: Running) -> None:
+def spy_streaming(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every `Lease.streaming` call: (the lease's pod key, whether it was released by then)."""
+    calls: list[tuple[str, bool]] = []
+    real = Lease.streaming
+
+    def spy(self: Lease) -> None:
+        calls.append((self.key, self.released))
+        real(self)
+
+    monkeypatch.setattr(Lease, "streaming", spy)
+    return calls
+
+
+async def test_routed_streaming_request_full_cycle(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
     r = running
     pool = r.gateway.pool
     stream = Stream(r.stub)
+    streaming = spy_streaming(monkeypatch)
 
     reply = await stream.send(request_headers(request_id="req-1"))
     assert reply == HEADERS_CONTINUE
@@ -279,6 +295,7 @@ async def test_routed_streaming_request_full_cycle(running: Running) -> None:
             response_body=pb.BodyResponse()
         )
         assert pool.inflight(key) == 1  # still streaming
+    assert streaming == [(key, False)]  # the first chunk: the lease's share may shrink
     assert await stream.send(response_body(last, end_of_stream=True)) == pb.ProcessingResponse(
         response_body=pb.BodyResponse()
     )
@@ -1184,11 +1201,15 @@ def _counting(
     ]
 
 
-async def test_pick_only_routing_hands_its_lease_to_the_counting_stream(running: Running) -> None:
+async def test_pick_only_routing_hands_its_lease_to_the_counting_stream(
+    running: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the pick-only wiring the routing stream ends at the pick (a plugin crash can no
     longer cut the response) and the counting stream of the same request holds the lease:
-    in flight until the response ends, released with its tokens and status."""
+    in flight until the response ends, told when the response streams (the first chunk),
+    released with its tokens and status."""
     pool = running.gateway.pool
+    streaming = spy_streaming(monkeypatch)
     endpoint = await _pick(running, "req-a")
     key = running.key_of(endpoint)
     assert pool.inflight(key) == 1 and len(running.gateway.servicer.handoff) == 1
@@ -1198,6 +1219,7 @@ async def test_pick_only_routing_hands_its_lease_to_the_counting_stream(running:
     await eventually(lambda: pool.inflight(key) == 0, "the counting stream to release it")
     assert pool.output_tokens_total(key) == 9 and pool.routed_total(key) == 1
     assert len(running.gateway.servicer.handoff) == 0
+    assert streaming == [(key, False)]
 
 
 async def test_the_counting_stream_tells_the_pool_when_the_prompt_was_prefilled(

@@ -54,10 +54,11 @@ class PoolRecords(RuleBasedStateMachine):
         i=st.sampled_from(range(len(PODS))),
         load=st.sampled_from((0.0, 0.1, 0.25)),
         p=st.integers(0, 50),
+        streaming=st.sampled_from((None, 0.0, 0.05)),
     )
-    def acquire(self, i: int, load: float, p: int) -> None:
+    def acquire(self, i: int, load: float, p: int, streaming: float | None) -> None:
         # A request routed just before its pod left still takes (and later gives back) a lease.
-        self.open.append(_Open(self.pool.acquire(PODS[i], load, p)))
+        self.open.append(_Open(self.pool.acquire(PODS[i], load, p, streaming)))
 
     @precondition(lambda self: bool(self.open))
     @rule(data=st.data())
@@ -66,6 +67,7 @@ class PoolRecords(RuleBasedStateMachine):
         if not entry.started:
             entry.started = True
             self.pool.stream_started(entry.lease.key, entry.lease.prompt_tokens)
+            entry.lease.streaming()  # its share may drop; the counts below follow it
 
     @precondition(lambda self: bool(self.open))
     @rule(data=st.data(), status=st.sampled_from((200, 503)), tokens=st.integers(0, 40))

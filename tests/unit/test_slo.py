@@ -177,6 +177,66 @@ def test_a_long_prompt_takes_what_it_costs_in_a_mix_not_what_its_size_sustains_a
     assert isinstance(router.admit(req(clock, prompt_tokens=4096, max_tokens=64), slo), Waiter)
 
 
+def long_and_short_profile() -> GpuProfile:
+    """Inputs 64 and 4096, 32 tokens out: a short request takes 1 / (20 x 0.35) of the pod, a
+    long one 1 / (1 x 1.25) = 0.8 (TTFT 1 s at p99)."""
+    return GpuProfile(
+        "fast",
+        1.0,
+        (32,),
+        (64, 4096),
+        ((20.0, 1.0),),
+        0.0,
+        ((0.35, 1.25),),
+        ((0.05, 0.4),),
+        percentile=99,
+        slos={"ttft": 1.0},
+    )
+
+
+def test_a_streaming_request_takes_what_the_same_answer_to_a_short_prompt_does() -> None:
+    c = Candidate(pod("a", "fast"), 0, None, None, None)
+    profile = long_and_short_profile()
+    long = fit(c, profile, RequestInfo(MODEL, prompt_tokens=4096), 32)
+    short = fit(c, profile, RequestInfo(MODEL, prompt_tokens=64), 32)
+    assert long.consumption == pytest.approx(0.8)
+    assert long.streaming == pytest.approx(1 / 7) == short.consumption == short.streaming
+    router, _, clock, _ = setup(pod("a", "fast"), profiles={profile_key(MODEL, "fast"): profile})
+    for name in SLO_STRATEGIES:
+        routed = router.admit(req(clock, prompt_tokens=4096, max_tokens=32), strategy(router, name))
+        assert isinstance(routed, Decision)
+        assert routed.lease.load == pytest.approx(0.8)
+        assert routed.lease.streaming_load == pytest.approx(1 / 7), name
+        routed.lease.release()
+    routed = router.admit(req(clock, prompt_tokens=64, max_tokens=32), strategy(router, "slo"))
+    assert isinstance(routed, Decision)
+    assert routed.lease.streaming_load == routed.lease.load  # nothing to give back
+
+
+def test_a_request_held_behind_a_long_prompt_goes_once_that_prompt_is_prefilled() -> None:
+    """The engine would queue the second long prompt behind the first one's prefill only; the
+    gateway holds it that long too, not until the first answer ends."""
+    profile = long_and_short_profile()
+    router, pool, clock, _ = setup(pod("a", "fast"), profiles={profile_key(MODEL, "fast"): profile})
+    slo = strategy(router, "slo")
+    first = router.admit(req(clock, prompt_tokens=4096, max_tokens=32), slo)
+    assert isinstance(first, Decision)
+    held = router.admit(req(clock, prompt_tokens=4096, max_tokens=32), slo)
+    assert isinstance(held, Waiter)  # 0.8 + 0.8: no room while the first one prefills
+    clock.t += 0.4
+    first.lease.streaming()  # its first chunk: the held one takes the room it left
+    assert held.done
+    second = held.result()
+    assert second.lease.pod.key == "ns/a"
+    assert pool.load("ns/a") == pytest.approx(1 / 7 + 0.8)
+    first.lease.streaming()  # once only
+    assert pool.load("ns/a") == pytest.approx(1 / 7 + 0.8)
+    first.lease.release()
+    second.lease.release()
+    second.lease.streaming()  # after the release: nothing
+    assert pool.load("ns/a") == 0.0 and pool.inflight("ns/a") == 0
+
+
 def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:
     router, pool, clock, _ = setup(pod("f", "fast"), pod("s", "slow"))
     slo = strategy(router, "slo")

@@ -86,6 +86,8 @@ class CountingProcessor:
                 self._tokens.gaps = ChunkGaps(router.pool, pod.key, router.now, self._prompt_tokens)
             if self._handoff is not None and endpoint:
                 self._decision = self._handoff.claim((request_id, endpoint))
+                if self._decision is not None and self._tokens.gaps is not None:
+                    self._tokens.gaps.lease = self._decision.lease
         elif phase == "response_headers" and self._pod is not None:
             self._tokens.status = _status(req.response_headers)
 

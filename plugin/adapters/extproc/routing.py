@@ -346,7 +346,11 @@ class RoutingProcessor:
             if tokens.gaps is None and not decision.lease.released:
                 router = self._router
                 tokens.gaps = ChunkGaps(
-                    router.pool, decision.lease.key, router.now, decision.request.prompt_tokens
+                    router.pool,
+                    decision.lease.key,
+                    router.now,
+                    decision.request.prompt_tokens,
+                    decision.lease,
                 )
             tokens.feed(msg.body, msg.end_of_stream)
             if msg.end_of_stream:

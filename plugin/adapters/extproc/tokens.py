@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from plugin.core.pool import PodPool
+from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Decision, Router
 from plugin.core.usage import Usage, UsageScanner
 
@@ -25,18 +25,25 @@ class ChunkGaps:
     """The times between one response's chunks, for its pod's speed watch
     (`PodPool.observe_chunk_gap`): each new SSE event is one engine step after the one before
     (k steps where an engine sends k tokens per event: the watch compares the pod with itself).
-    The first event marks the stream as started (its prompt of `prompt_tokens` was prefilled);
-    `close` ends it."""
+    The first event marks the stream as started (its prompt of `prompt_tokens` was prefilled)
+    and, where this stream holds the request's `lease`, shrinks its share of the pod
+    (`Lease.streaming`); `close` ends it."""
 
-    __slots__ = ("_clock", "_events", "_last", "_pool", "key", "prompt_tokens")
+    __slots__ = ("_clock", "_events", "_last", "_pool", "key", "lease", "prompt_tokens")
 
     def __init__(
-        self, pool: PodPool, key: str, clock: Callable[[], float], prompt_tokens: int = 0
+        self,
+        pool: PodPool,
+        key: str,
+        clock: Callable[[], float],
+        prompt_tokens: int = 0,
+        lease: Lease | None = None,
     ) -> None:
         self._pool = pool
         self.key = key
         self._clock = clock
         self.prompt_tokens = prompt_tokens
+        self.lease = lease
         self._events = 0
         self._last: float | None = None
 
@@ -49,6 +56,8 @@ class ChunkGaps:
         last = self._last
         if last is None:
             self._pool.stream_started(self.key, self.prompt_tokens)
+            if self.lease is not None:
+                self.lease.streaming()
         else:
             self._pool.observe_chunk_gap(self.key, (now - last) / new)
         self._last = now

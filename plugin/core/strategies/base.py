@@ -52,6 +52,9 @@ class Route:
 
     candidate: Candidate
     load: float = 0.0
+    # The share it takes once its response streams (the engine is done with its prompt); None:
+    # `load` to the end.
+    streaming_load: float | None = None
     # The request's end-to-end latency on this pod as its GPU profile predicts it (seconds), for
     # strategies that predict one; the gateway compares it with what the request then took.
     expected_e2e_s: float | None = None

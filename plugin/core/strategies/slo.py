@@ -20,7 +20,11 @@ For one request and one pod:
   what the cell counts for inside a mix (`GpuProfile.mix_tputs`: a long prompt costs at most as
   many shorter ones as its prompt is longer), not what a stream of that size alone sustains,
   which collisions between long prompts set. `tputs` 0 means this GPU type never meets the SLO
-  at that size.
+  at that size. Once the request's response streams (its first chunk: the engine is done with
+  its prompt), its share drops to that of the same answer to the grid's shortest prompt
+  (`Route.streaming_load`, `Lease.streaming`): a long prompt takes the pod for its prefill,
+  and a request held behind it needs to wait for that prefill only, as it would in the
+  engine's own queue, not for the whole answer.
 - **Slack**: the request's `x-slo-tpot-ms` and `x-slo-ttft-ms` when it sends one, else every
   latency SLO of the profile (TPOT, TTFT, TPAT, E2E), against the profile's expectation (E2E and
   TTFT from its grids; TPOT and TPAT as shares of E2E): the longest the request may wait and
@@ -162,6 +166,7 @@ class SloFit:
     slack_s: float  # how long it may wait and still make its SLO (inf: only the gateway's bound)
     cell: tuple[int, int] = (0, 0)  # (out, in) in the profile's grid
     above: tuple[str, ...] = ()  # axes on which the request lies above the grid
+    streaming: float = math.nan  # its share once its response streams (NaN: `consumption`)
 
     @property
     def price(self) -> float:
@@ -221,18 +226,27 @@ def fit(
     cell = profile.cell(prompt, output_tokens)
     above = profile.above_grid(prompt, output_tokens)
     i, j = cell
-    tput = profile.tputs[i][j]
-    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
-    if tput <= 0:
+    if profile.tputs[i][j] <= 0:
         return SloFit(candidate, profile, math.inf, -math.inf, cell, above)
-    rate = profile.mix_tputs[i][j]  # >= tput: what the cell costs inside a mix
-    concurrency = rate * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
-    consumption = 1.0 / concurrency if concurrency > 0 else 1.0 / rate  # no e2e: 1 s a request
+    consumption = _share(profile, i, j)
+    # Once it streams, its prompt is done: it costs what the same answer to the shortest prompt
+    # of the grid does.
+    streaming = min(consumption, _share(profile, i, 0)) if profile.tputs[i][0] > 0 else consumption
     at_load = profile.e2e_at(cell, candidate.load + consumption)
     slack = _slack_s(
         profile, cell, request, prompt, output_tokens, math.nan if at_load is None else at_load
     )
-    return SloFit(candidate, profile, consumption, slack, cell, above)
+    return SloFit(candidate, profile, consumption, slack, cell, above, streaming)
+
+
+def _share(profile: GpuProfile, i: int, j: int) -> float:
+    """The share of a pod one request of cell (i, j) takes, by Little's law: a pod serves
+    `mix_tputs x e2e` of them at once within the SLO (the rate as the cell counts inside a mix,
+    which is at least `tputs`); without an E2E grid, 1 s a request."""
+    rate = profile.mix_tputs[i][j]
+    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
+    concurrency = rate * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
+    return 1.0 / concurrency if concurrency > 0 else 1.0 / rate
 
 
 def _route(chosen: Candidate, best: SloFit, output_tokens: int) -> Route:
@@ -241,7 +255,8 @@ def _route(chosen: Candidate, best: SloFit, output_tokens: int) -> Route:
     load = chosen.load + best.consumption
     e2e = best.profile.e2e_at(best.cell, load)
     profiled = ProfiledRoute(best.profile, best.cell, output_tokens, load, e2e, best.above)
-    return Route(chosen, load=best.consumption, expected_e2e_s=e2e, profiled=profiled)
+    streaming = best.streaming if best.streaming < best.consumption else None
+    return Route(chosen, best.consumption, streaming, e2e, profiled)
 
 
 class SloStrategy(Strategy):
