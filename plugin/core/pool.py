@@ -298,6 +298,12 @@ class PodPool:
         record = self._records.get(key)
         return record is not None and record.unreachable
 
+    def tokens_per_chunk(self, key: str) -> float | None:
+        """Output tokens per chunk of the pod's streams, once its chunk-gap watch learned it
+        from streams that ended with the engine's count (None before, or for an unknown pod)."""
+        record = self._records.get(key)
+        return None if record is None else record.speed.tokens_per_chunk()
+
     def metrics_unusable(self, key: str) -> str | None:
         """Why the engine's last answer to a scrape was of no use; None if it was usable."""
         record = self._records.get(key)

@@ -1254,6 +1254,33 @@ async def test_the_counting_stream_tells_the_pool_when_the_prompt_was_prefilled(
     assert pool.prompt_tokens(key) == (0, 0)
 
 
+async def test_a_cut_stream_is_credited_at_the_pod_s_learned_tokens_per_chunk(
+    running: Running,
+) -> None:
+    """A stream its client cut carries no usage: its chunks are credited at what the pod's
+    streams showed a chunk carries (here 40 tokens in 4 events: 10), not one token a chunk."""
+    pool = running.gateway.pool
+    headers = await _pick_headers(running, "req-cut")  # its lease waits for its counting stream
+    endpoint = headers["target-pod"].decode()
+    key = running.key_of(endpoint)
+    # Another request's response on the same pod, whole, with the engine's count.
+    call = running.stub.Process(iter(_counting(endpoint, "req-other", 200, 40)))
+    async with asyncio.timeout(WAIT_S):
+        assert [r async for r in call] == []
+    await eventually(lambda: pool.tokens_per_chunk(key) == 10.0, "the pod's tokens per chunk")
+    assert pool.output_tokens_total(key) == 40 and pool.inflight(key) == 1
+
+    cut = _counting(endpoint, "req-cut", 200, 40, headers)[:-2]  # ends inside the second piece
+    call = running.stub.Process(iter(cut))
+    async with asyncio.timeout(WAIT_S):
+        assert [r async for r in call] == []
+    await eventually(lambda: pool.inflight(key) == 0, "the cut stream to release its lease")
+    # Before the cut: the first piece (one whole delta event) and the second (two more, and
+    # half of the usage event): 3 events, 10 tokens each, estimated.
+    assert pool.output_tokens_total(key) == 40 + 30
+    assert pool.estimated_tokens_total(key) == 30
+
+
 async def test_a_lease_no_counting_stream_claims_is_given_back(running: Running) -> None:
     running.gateway.servicer.handoff._timeout_s = 0.2  # the default is 10 s
     pool = running.gateway.pool

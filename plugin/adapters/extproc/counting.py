@@ -98,8 +98,10 @@ class CountingProcessor:
         if decision is not None:  # this stream holds the request's lease: end it
             _finish(self._router, decision, self._tokens, self._tracer)
         elif pod is not None:
-            output = self._tokens.output_tokens()
-            self._router.pool.credit_tokens(pod.key, output, self._tokens.estimated())
+            pool = self._router.pool
+            output = self._tokens.counted(pool.tokens_per_chunk(pod.key))
+            pool.credit_tokens(pod.key, output, self._tokens.estimated())
             self._router.completed(pod.model, self._prompt_tokens, output, self._tokens.status)
             if self._tracer is not None:
-                _trace_completed(self._tracer, pod.model, self._tokens, self._prompt_tokens)
+                tracer, prompt = self._tracer, self._prompt_tokens
+                _trace_completed(tracer, pod.model, self._tokens, prompt, output)

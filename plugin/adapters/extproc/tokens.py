@@ -104,6 +104,19 @@ class ResponseTokens:
     def output_tokens(self) -> int:
         return 0 if self._scanner is None else self._scanner.output_tokens()
 
+    def counted(self, per_chunk: float | None) -> int:
+        """The output tokens to credit: the engine's count; without one, the estimate, where a
+        stream's chunks count at its pod's learned tokens per chunk (`per_chunk`, None: not
+        learned yet), since a stream cut by its client carries no usage and an engine that sends
+        k tokens an event would otherwise be credited a k-th of them."""
+        scanner = self._scanner
+        if scanner is None:
+            return 0
+        output = scanner.output_tokens()
+        if per_chunk is not None and scanner.estimated and scanner.sse:
+            return round(output * per_chunk)
+        return output
+
     def estimated(self) -> bool:
         """The count is the gateway's estimate: the engine reported no usage."""
         return self._scanner is not None and self._scanner.estimated
@@ -119,27 +132,29 @@ def _finish(
     """A routed request's response ended: give its lease back once, crediting the tokens, and
     tell the router (output history, latency against the prediction) and the tracer."""
     tokens.close_gaps()
-    output, status = tokens.output_tokens(), tokens.status
-    if not decision.lease.release(output, status, router.now(), tokens.estimated()):
+    lease = decision.lease
+    output, status = tokens.counted(router.pool.tokens_per_chunk(lease.key)), tokens.status
+    if not lease.release(output, status, router.now(), tokens.estimated()):
         return
     request = decision.request
     router.completed(request.model, request.prompt_tokens, output, status)
     router.finished(decision, status)
     if tracer is not None:
         tracer.ended(request.model, request.arrived_at)
-        _trace_completed(tracer, request.model, tokens, request.prompt_tokens)
+        _trace_completed(tracer, request.model, tokens, request.prompt_tokens, output)
 
 
 def _trace_completed(
-    tracer: TraceRecorder, model: str, tokens: ResponseTokens, prompt_estimate: int
+    tracer: TraceRecorder, model: str, tokens: ResponseTokens, prompt_estimate: int, output: int
 ) -> None:
     """A size sample for the optimizer: the engine's counts when it reported them; else, for a
-    served response whose tokens this stream counted (a stream without `include_usage`), the
-    prompt's estimate and the counted chunks, so such traffic is not invisible to the plan."""
+    served response whose tokens this stream counted (`output`: a stream without
+    `include_usage`), the prompt's estimate and the counted tokens, so such traffic is not
+    invisible to the plan."""
     usage = tokens.usage()
     if usage is not None:
         tracer.completed(model, usage.prompt_tokens, usage.completion_tokens)
-    elif tokens.status == 200 and (output := tokens.output_tokens()) > 0:
+    elif tokens.status == 200 and output > 0:
         tracer.completed(model, prompt_estimate, output)
 
 
