@@ -173,13 +173,20 @@ AUTH_BEARER_TOKEN: Var[str | None] = Var(
     "When set, every request must send `Authorization: Bearer <this token>` or get a 401"
     " (compared in constant time; never logged).",
 )
+# Envoy's own default `max_headers_count`, and the room above it for the headers routing adds
+# (at most 7: target-pod, the destination and prompt-size headers, routing-strategy, x-request-id,
+# the profile echo, content-length), with room to spare for what Envoy itself adds before it.
+ENVOY_DEFAULT_MAX_HEADERS = 100
+ROUTING_HEADER_ROOM = 16
 MAX_REQUEST_HEADERS: Var[int] = Var(
     "HETERO_GATEWAY_MAX_REQUEST_HEADERS",
     Int(ge=16, le=10000),
-    100,
-    "Envoy's `max_headers_count` (its default, and what `envoy-config` renders): the plugin"
-    " answers 431 to a request that would exceed it once the plugin's own headers are added,"
-    " instead of Envoy's empty 503.",
+    ENVOY_DEFAULT_MAX_HEADERS + ROUTING_HEADER_ROOM,
+    "Envoy's `max_headers_count`, as the listener has it (`envoy-config` renders it): Envoy's"
+    " default 100 plus room for the headers routing adds, so every request Envoy alone would"
+    " accept is routed; the plugin answers 431 to a request that would exceed it once its own"
+    " headers are added, instead of Envoy's empty 503. Under Envoy Gateway, whose listener keeps"
+    " 100, set 100.",
 )
 PODS_FILE: Var[str | None] = Var(
     "HETERO_GATEWAY_PODS_FILE",

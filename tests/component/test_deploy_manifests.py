@@ -94,6 +94,7 @@ DESIGNED_VARS = {
     "POD_NAME",
     "POD_NAMESPACE",
     TRACING_FLAG,  # on where Redis is (the optimizer reads the traces)
+    "HETERO_GATEWAY_MAX_REQUEST_HEADERS",  # Envoy Gateway's listener limit, not envoy-config's
 }
 
 

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
+from plugin.adapters.extproc import DEFAULT_MAX_HEADERS
 from plugin.adapters.serve import Gateway
 from plugin.adapters.steering import PROMPT_TOKENS_HEADER
 from plugin.core.pool import Lease, PodPool
@@ -1127,16 +1128,21 @@ async def test_predicted_and_actual_latency_reach_metrics(
     assert samples[("hetero_gateway_slo_e2e_ratio_bucket", "0.25")] == 1
 
 
+# The most extra headers a request may carry: 7 base + extra + 4 added within Envoy's limit as
+# `envoy-config` renders it (Envoy's default 100 plus room for routing's own headers).
+MOST_EXTRA = DEFAULT_MAX_HEADERS - 11
+
+
 @pytest.mark.parametrize(
     ("extra", "steering", "status"),
-    [(89, 0, None), (90, 0, 431), (90, 3, None)],
+    [(MOST_EXTRA, 0, None), (MOST_EXTRA + 1, 0, 431), (MOST_EXTRA + 1, 3, None)],
     ids=["at-the-limit", "one-over", "client-steering-headers-are-replaced-not-added"],
 )
 async def test_headers_the_gateway_would_take_over_envoy_s_limit_get_431(
     running: Running, extra: int, steering: int, status: int | None
 ) -> None:
     """Routing adds target-pod, x-gateway-destination-endpoint, the prompt-tokens header (and
-    routing-strategy when absent): 7 base + `extra` + 4 added must stay within 100."""
+    routing-strategy when absent): 7 base + `extra` + 4 added must stay within the limit."""
     headers = {f"x-extra-{i}": "v" for i in range(extra - steering)}
     for name in ("target-pod", "x-gateway-destination-endpoint", "x-hetero-gateway-prompt-tokens")[
         :steering

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -17,9 +18,12 @@ import orjson
 import pytest
 import yaml
 
+from plugin.adapters.envoy_config import EnvoyOptions, render_bootstrap
+from plugin.config.variables import ENVOY_DEFAULT_MAX_HEADERS
 from plugin_tools.demo.fleet import LocalFleet
 from plugin_tools.demo.loadgen import LengthDist, Workload, run_open_loop
 from tests.helpers import (
+    bootstrap_hcm,
     chat_body,
     debug_pods,
     free_port,
@@ -305,30 +309,80 @@ async def test_models_list_through_envoy(fleet: LocalFleet) -> None:
     assert MODEL in [m["id"] for m in doc["data"]]
 
 
-async def test_many_request_headers_get_200_or_a_431_never_an_empty_503(fleet: LocalFleet) -> None:
-    """Envoy refuses a mutation that takes a request over its 100-header limit with an empty 503;
-    the plugin counts first and answers 431 with an OpenAI body where its headers would do it."""
+def _envoy_alone(listen: int, admin: int) -> dict[str, Any]:
+    """The product's listener at Envoy's own default header limit, with no filter but the
+    router and a route that answers 200 itself: what Envoy alone accepts of a request."""
+    boot = render_bootstrap(
+        EnvoyOptions(
+            listen_host="127.0.0.1",
+            listen_port=listen,
+            admin_port=admin,
+            max_request_headers=ENVOY_DEFAULT_MAX_HEADERS,
+        )
+    )
+    hcm = bootstrap_hcm(boot)
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"].endswith("router")]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+        {"match": {"prefix": "/"}, "direct_response": {"status": 200}}
+    ]
+    return boot
+
+
+async def _statuses(url: str, extras: range) -> dict[int, int]:
+    """POST a chat request with each count of extra headers: its status (0: Envoy's codec
+    refused it and closed the connection)."""
     seen: dict[int, int] = {}
-    async with aiohttp.ClientSession() as session:
-        # Up to 94 extra: beyond, the client's own count passes 100 and Envoy's codec drops the
-        # connection before the plugin sees anything (Envoy's behaviour, not the plugin's).
-        for extra in range(78, 95, 2):
-            headers = {f"x-extra-{i}": "v" for i in range(extra)}
-            async with session.post(
-                f"{fleet.envoy_url}/v1/chat/completions", json=chat(2), headers=headers
-            ) as resp:
-                body = await resp.read()
-                seen[extra] = resp.status
-                if resp.status == 431:
-                    error = orjson.loads(body)["error"]
-                    assert error["type"] == "invalid_request_error"
-                    assert "headers" in error["message"]
-                else:
-                    assert resp.status == 200, (extra, resp.status, body[:200])
-    assert seen[78] == 200 and seen[94] == 431  # both sides of the limit were tried
-    # No gap: once refused, every larger count is refused too.
-    first_refused = min(n for n, status in seen.items() if status == 431)
-    assert all(status == 431 for n, status in seen.items() if n >= first_refused)
+    for extra in extras:
+        headers = {f"x-extra-{i}": "v" for i in range(extra)}
+        async with aiohttp.ClientSession() as session:  # a refusal closes the connection
+            try:
+                async with session.post(
+                    f"{url}/v1/chat/completions", json=chat(2), headers=headers
+                ) as resp:
+                    body = await resp.read()
+                    seen[extra] = resp.status
+            except aiohttp.ClientError:
+                seen[extra] = 0
+                continue
+        if resp.status == 431 and body:
+            error = orjson.loads(body)["error"]
+            assert error["type"] == "invalid_request_error"
+            assert "headers" in error["message"]
+    return seen
+
+
+async def test_every_request_envoy_alone_accepts_is_routed_despite_the_gateway_s_headers(
+    fleet: LocalFleet, envoy_binary: str, tmp_path: Path
+) -> None:
+    """ext_proc refuses a mutation that takes a request over the listener's header count with an
+    empty 503. The rendered listener leaves room above Envoy's default for the headers routing
+    adds: every request Envoy alone (its default limit, no filter) answers is routed, and one
+    over gets the plugin's 431 in OpenAI shape or Envoy's own refusal, never an empty 503."""
+    listen, admin = free_port(), free_port()
+    config = tmp_path / "envoy-alone.yaml"
+    config.write_text(yaml.safe_dump(_envoy_alone(listen, admin)))
+    alone = await asyncio.create_subprocess_exec(
+        envoy_binary,
+        *("-c", str(config), "--disable-hot-restart", "--concurrency", "1"),
+        *("--log-level", "warn"),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{listen}"
+        await poll(lambda: _statuses(url, range(1)), lambda s: s[0] == 200, "Envoy alone up")
+        envoy_alone = await _statuses(url, range(80, 101))
+    finally:
+        alone.terminate()
+        await alone.wait()
+    most = max(n for n, status in envoy_alone.items() if status == 200)
+    assert envoy_alone[most + 1] != 200  # its limit lies inside the range tried
+    through = await _statuses(fleet.envoy_url, range(most - 4, most + 24))
+    assert all(through[n] == 200 for n in range(most - 4, most + 1)), through
+    assert 431 in through.values()  # the plugin's own refusal was reached
+    assert 503 not in through.values()
+    first_refused = min(n for n, status in through.items() if status != 200)
+    assert all(status != 200 for n, status in through.items() if n >= first_refused)
 
 
 async def test_a_body_over_the_limit_gets_envoy_s_413_in_openai_shape(fleet: LocalFleet) -> None:

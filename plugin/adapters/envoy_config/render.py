@@ -90,8 +90,10 @@ def _listener(opts: EnvoyOptions) -> dict[str, Any]:
         "stream_idle_timeout": _duration(_STREAM_IDLE_TIMEOUT_S),
         # 0s disables the whole-request deadline: a long streamed answer must not be cut.
         "request_timeout": "0s",
-        # Envoy's default, stated: the plugin refuses (431) a request its own headers would take
-        # over it (HETERO_GATEWAY_MAX_REQUEST_HEADERS must equal it).
+        # Envoy's default 100 plus room for the headers routing adds (ext_proc refuses a mutation
+        # that takes a request over this count, with an empty 503), so every request Envoy
+        # alone would accept is routed; the plugin answers 431 to one its headers would still
+        # take over (HETERO_GATEWAY_MAX_REQUEST_HEADERS, which this is rendered from).
         "common_http_protocol_options": {"max_headers_count": opts.max_request_headers},
         "local_reply_config": _local_reply_config(),
         "route_config": {
