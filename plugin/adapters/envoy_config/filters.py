@@ -11,6 +11,7 @@ from plugin.adapters.envoy_config.options import (
     COUNT_FILTER,
     ENGINE_COUNT_CLOSE_S,
     EXT_PROC_CLUSTER,
+    OBSERVE_COUNT_CLOSE_S,
     EnvoyOptions,
     _duration,
     _type_url,
@@ -157,7 +158,9 @@ def _count_filter(opts: EnvoyOptions) -> dict[str, Any]:
             "@type": _type_url("envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"),
             "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
             "observability_mode": True,
-            **({"deferred_close_timeout": _duration(ENGINE_COUNT_CLOSE_S)} if engine else {}),
+            "deferred_close_timeout": _duration(
+                ENGINE_COUNT_CLOSE_S if engine else OBSERVE_COUNT_CLOSE_S
+            ),
             # Counting is best effort: a plugin outage must not fail the response.
             "failure_mode_allow": True,
             "processing_mode": {

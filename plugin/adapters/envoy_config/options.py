@@ -26,11 +26,14 @@ OVERRIDE_HOST_CLUSTER = "hetero_gateway_override_host"
 # round robin when there is no pick, which is what lets fail-open really serve.
 STEERING_MODES = ("original-dst", "override-host")
 COUNT_MODES = ("observe", "streamed", "engine")
-# `engine` count mode: how long Envoy keeps the counting stream open once the response is done.
-# Its default (5 s) would hold each request's in-flight slot 5 s past the response's end; the
-# stream has nothing left to send then (checked on Envoy 1.40: with 20 ms the plugin sees the
-# stream end with the response).
+# How long Envoy keeps the counting stream (observability_mode) open once the request is gone.
+# Its default, 5 s, holds the in-flight slot of a request its client cancelled 5 s longer (a
+# whole response ends with its last chunk instead, which the plugin sees). In the `engine` count
+# mode the stream's end is the response's end, so it closes at once (checked on Envoy 1.40: with
+# 20 ms the plugin sees the stream end with the response); in `observe` mode the plugin is given
+# time to read the chunks already sent before the stream is closed under it.
 ENGINE_COUNT_CLOSE_S = 0.02
+OBSERVE_COUNT_CLOSE_S = 0.2
 COUNT_FILTER = "hetero_gateway.count"
 
 _INT32_MAX = 2**31 - 1
