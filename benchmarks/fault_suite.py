@@ -11,9 +11,15 @@ Scenarios (each on a fresh fleet, default wiring: ORIGINAL_DST, fail-closed, cou
   time back after its restart;
 - a hung plugin (SIGSTOP for 3 s): the longest a request stalled, and what it got;
 - 1,000 requests naming a ~4 MB unknown model: statuses, and the plugin's memory after them
-  against before.
+  against before;
+- an engine whose metrics page answers 404 (a wrong metrics path) while it serves: its share of
+  the traffic against its share with a good page, in the same run, and the failures;
+- requests of 90 to 100 header lines (Envoy's default limit is 100): their statuses;
+- 200 streams cancelled mid-way: how long until the plugin counts none in flight, and the
+  output tokens it credited against the engines' own counters.
 
-    python benchmarks/fault_suite.py            # about 2 minutes on 2 cores
+    python benchmarks/fault_suite.py            # about 4 minutes on 2 cores
+    python benchmarks/fault_suite.py --only hung-engine --repeat 10
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from plugin_tools.demo.fleet import EngineProc, FleetSpec, LocalFleet, free_port
 
@@ -100,7 +108,8 @@ async def _offer(url: str, rate: float, duration_s: float, max_tokens: int) -> l
         return list(await asyncio.gather(*tasks))
 
 
-async def _unreachable(fleet: LocalFleet, name: str) -> bool | None:
+async def _pod_state(fleet: LocalFleet, name: str, key: str) -> Any:
+    """`key` of pod `name` in the plugin's /debug/pods (None when it cannot be read)."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session,
@@ -109,7 +118,24 @@ async def _unreachable(fleet: LocalFleet, name: str) -> bool | None:
             pods = (await resp.json())["pods"]
     except (aiohttp.ClientError, TimeoutError):
         return None
-    return next((bool(p["unreachable"]) for p in pods.values() if p["name"] == name), None)
+    return next((p[key] for p in pods.values() if p["name"] == name), None)
+
+
+async def _unreachable(fleet: LocalFleet, name: str) -> bool | None:
+    state = await _pod_state(fleet, name, "unreachable")
+    return None if state is None else bool(state)
+
+
+async def _metric_sum(url: str, name: str) -> float:
+    """The sum of every sample named `name` on `url`/metrics."""
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session,
+        session.get(f"{url}/metrics") as resp,
+    ):
+        text = await resp.text()
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name
+    )
 
 
 async def _time_until(check: Callable[[], Awaitable[bool]], limit_s: float) -> float | None:
@@ -316,6 +342,147 @@ async def huge_model(tmp: Path, count: int) -> Row:
     )
 
 
+def _share(outcomes: list[Outcome], pod: str) -> float:
+    return sum(o.pod == pod for o in outcomes) / max(1, len(outcomes))
+
+
+async def metrics_404(tmp: Path) -> Row:
+    """Two engines under load, then the a100's metrics path made wrong (its page answers 404)
+    while it keeps serving: it must keep its share of the traffic, with nothing failing."""
+    async with _fleet(tmp, presets=("a100", "l20")) as fleet:
+        name = next(e.name for e in fleet.engines if e.preset == "a100")
+        before = await _offer(fleet.envoy_url, 8.0, 10.0, 16)
+        doc: Any = fleet.pods_document()
+        for pod in doc["models"][MODEL]["pods"]:
+            if pod["name"] == name:
+                pod["metricsPath"] = "/no-metrics-here"
+        fleet.pods_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+        async def flagged() -> bool:
+            return bool(await _pod_state(fleet, name, "metrics_unusable"))
+
+        seen = await _time_until(flagged, 10.0)
+        after = await _offer(fleet.envoy_url, 8.0, 10.0, 16)
+        out = await _unreachable(fleet, name)
+    failed = sum(o.status != 200 for o in after)
+    share_before, share_after = _share(before, name), _share(after, name)
+    met = seen is not None and not out and failed == 0 and share_after >= 0.8 * share_before
+    return Row(
+        "engine whose metrics page answers 404 (8 req/s)",
+        len(before) + len(after),
+        failed,
+        measure=f"its share {share_before:.0%} with a good page, {share_after:.0%} with a 404; "
+        f"{failed} failed; {'flagged' if seen is not None else 'not flagged'}, "
+        f"{'out of rotation' if out else 'in rotation'}",
+        target="keeps its share (>= 0.8 x), 0 failed",
+        met=met,
+    )
+
+
+async def _raw_post(port: int, lines: int) -> int:
+    """A chat request with exactly `lines` header lines (Host, Content-Type, Content-Length,
+    Connection and extras), over a plain socket; its status (0: closed without one)."""
+    body = (
+        b'{"model": "'
+        + MODEL.encode()
+        + b'", "max_tokens": 2, '
+        + (b'"messages": [{"role": "user", "content": "hi"}]}')
+    )
+    head = [
+        "POST /v1/chat/completions HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"x-extra-{i}: v" for i in range(lines - 4)),
+    ]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10.0)
+    except (ConnectionError, TimeoutError):
+        return 0
+    finally:
+        writer.close()
+    parts = status_line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+async def many_headers(tmp: Path) -> Row:
+    async with _fleet(tmp, presets=("a100",)) as fleet:
+        statuses = {n: await _raw_post(fleet.spec.listen_port, n) for n in range(90, 101)}
+    bad = sum(status != 200 for status in statuses.values())
+    counts: dict[int, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    return Row(
+        "requests of 90 to 100 header lines",
+        len(statuses),
+        bad,
+        measure=f"statuses {dict(sorted(counts.items()))}",
+        target="all 200 (Envoy alone takes up to 100)",
+        met=bad == 0,
+    )
+
+
+async def _cancelled(session: aiohttp.ClientSession, url: str, chunks: int) -> None:
+    """A long stream read for `chunks` chunks, then dropped by the client."""
+    async with session.post(f"{url}/v1/chat/completions", json=_chat(400)) as resp:
+        read = 0
+        async for _ in resp.content.iter_any():
+            read += 1
+            if read >= chunks:
+                break
+        resp.close()  # the connection goes, mid-stream
+
+
+async def cancelled_streams(tmp: Path, count: int = 200) -> Row:
+    """`count` long streams (400 tokens, 8 a chunk), each dropped by its client after a few
+    chunks: the plugin must count none in flight within 0.25 s of the last drop, and credit the
+    tokens the engines generated for them within 10%."""
+    async with _fleet(tmp, presets=("a100", "l20"), time_scale=1.0) as fleet:
+        # One whole stream per engine first: the plugin learns how many tokens a chunk carries.
+        warm = await _offer(fleet.envoy_url, 4.0, 1.0, 64)
+        await asyncio.sleep(1.0)
+        urls = [e.url for e in fleet.engines]
+        engines_before = sum([await _metric_sum(u, "vllm:generation_tokens_total") for u in urls])
+        counted_before = await _metric_sum(fleet.plugin_url, "hetero_gateway_output_tokens_total")
+        timeout = aiohttp.ClientTimeout(total=60)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            gate = asyncio.Semaphore(20)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    await _cancelled(session, fleet.envoy_url, 3 + i % 5)
+
+            await asyncio.gather(*(one(i) for i in range(count)))
+            dropped = time.monotonic()
+
+            async def idle() -> bool:
+                return await _metric_sum(fleet.plugin_url, "hetero_gateway_inflight_requests") == 0
+
+            freed = await _time_until(idle, 10.0)
+            freed_s = None if freed is None else time.monotonic() - dropped
+        await asyncio.sleep(1.0)  # the engines have seen every disconnect
+        engines = sum([await _metric_sum(u, "vllm:generation_tokens_total") for u in urls])
+        counted = await _metric_sum(fleet.plugin_url, "hetero_gateway_output_tokens_total")
+    generated, credited = engines - engines_before, counted - counted_before
+    ratio = credited / generated if generated else float("nan")
+    met = freed_s is not None and freed_s <= 0.25 and abs(ratio - 1) <= 0.10
+    freed_text = "not within 10 s" if freed_s is None else f"{freed_s:.2f} s"
+    return Row(
+        f"{count} streams cancelled mid-way",
+        count + len(warm),
+        0,
+        cut=count,
+        measure=f"in flight at 0 {freed_text} after the last drop; tokens credited "
+        f"{credited:.0f} of {generated:.0f} the engines generated ({ratio:.2f})",
+        target="in flight at 0 within 0.25 s; tokens within 10%",
+        met=met,
+    )
+
+
 # --- report ------------------------------------------------------------------------------------
 
 
@@ -364,28 +531,65 @@ def render(rows: list[Row], seconds: float) -> str:
 
 SETTLE_S = 10.0  # after the 4 MB burst, before the plugin's memory is read
 
-SCENARIOS = ("plugin-kill", "hung-engine", "dead-engine", "hung-plugin", "huge-model")
+SCENARIOS = (
+    "plugin-kill",
+    "hung-engine",
+    "dead-engine",
+    "hung-plugin",
+    "huge-model",
+    "metrics-404",
+    "many-headers",
+    "cancelled-streams",
+)
 
 
-async def run(names: list[str], huge_count: int) -> list[Row]:
+async def _scenario(name: str, path: Path, huge_count: int) -> Row:
+    if name == "plugin-kill":
+        return await plugin_kill(path)
+    if name == "hung-engine":
+        return await hung_engine(path)
+    if name == "dead-engine":
+        return await dead_engine(path)
+    if name == "hung-plugin":
+        return await hung_plugin(path)
+    if name == "metrics-404":
+        return await metrics_404(path)
+    if name == "many-headers":
+        return await many_headers(path)
+    if name == "cancelled-streams":
+        return await cancelled_streams(path)
+    return await huge_model(path, huge_count)
+
+
+def _repeated(rows: list[Row]) -> Row:
+    """Runs of one scenario in one row: met only when every run met its target."""
+    first = rows[0]
+    return Row(
+        f"{first.scenario}, {len(rows)} runs",
+        sum(r.sent for r in rows),
+        sum(r.failed for r in rows),
+        cut=sum(r.cut for r in rows),
+        eject_s=max((r.eject_s for r in rows if r.eject_s is not None), default=None),
+        restore_s=max((r.restore_s for r in rows if r.restore_s is not None), default=None),
+        measure="; ".join(r.measure for r in rows),
+        target=f"{first.target}, every run",
+        met=all(r.met for r in rows),
+        notes=first.notes,
+    )
+
+
+async def run(names: list[str], huge_count: int, repeat: int = 1) -> list[Row]:
     rows = []
     for name in names:
-        with tempfile.TemporaryDirectory(prefix=f"fault-{name}-") as tmp:
-            path = Path(tmp)
-            if name == "plugin-kill":
-                row = await plugin_kill(path)
-            elif name == "hung-engine":
-                row = await hung_engine(path)
-            elif name == "dead-engine":
-                row = await dead_engine(path)
-            elif name == "hung-plugin":
-                row = await hung_plugin(path)
-            else:
-                row = await huge_model(path, huge_count)
-        print(f"{row.scenario}: {row.measure} (target: {row.target}; met: {row.met})")
-        for note in row.notes:
-            print(f"  {note}")
-        rows.append(row)
+        runs = []
+        for _ in range(repeat if name == "hung-engine" else 1):
+            with tempfile.TemporaryDirectory(prefix=f"fault-{name}-") as tmp:
+                row = await _scenario(name, Path(tmp), huge_count)
+            print(f"{row.scenario}: {row.measure} (target: {row.target}; met: {row.met})")
+            for note in row.notes:
+                print(f"  {note}")
+            runs.append(row)
+        rows.append(runs[0] if len(runs) == 1 else _repeated(runs))
     return rows
 
 
@@ -393,10 +597,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=SCENARIOS, action="append", help="run just these")
     parser.add_argument("--huge-count", type=int, default=1000)
+    parser.add_argument(
+        "--repeat", type=int, default=10, help="runs of the hung-engine scenario (default 10)"
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     start = time.monotonic()
-    rows = asyncio.run(run(args.only or list(SCENARIOS), args.huge_count))
+    rows = asyncio.run(run(args.only or list(SCENARIOS), args.huge_count, args.repeat))
     text = render(rows, time.monotonic() - start)
     if not args.no_write and not args.only:
         DOC.write_text(text, encoding="utf-8")
