@@ -154,6 +154,19 @@ class Unauthorized(RequestError):
         super().__init__("missing or incorrect API key: send Authorization: Bearer <token>")
 
 
+class HeaderNotAllowed(RequestError):
+    """The request sends a routing header the operator locked (`plugin.core.header_policy`)."""
+
+    status = 403
+    code = "header_not_allowed"
+    header = ("x-error-request-header-processing", "true")
+
+    def __init__(self, name: str, rule: str) -> None:
+        allowed = "it may not be sent" if rule == "deny" else f"allowed values: {echo(rule)}"
+        super().__init__(f"header {name} is locked by the gateway's operator: {allowed}")
+        self.param = name
+
+
 class RoutingFailed(RequestError):
     """A strategy excluded every candidate (or rejected the request)."""
 
@@ -188,6 +201,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     431: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }

@@ -19,6 +19,7 @@ from grpc_health.v1._async import HealthServicer
 
 from plugin.adapters.discovery import PodsCallback, PodSource, StaticFileSource
 from plugin.adapters.extproc import ExtProcServicer
+from plugin.adapters.extproc.locks import HeaderLock
 from plugin.adapters.http import build_app
 from plugin.adapters.native_memory import MemoryTrimmer
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
@@ -169,6 +170,7 @@ class Gateway:
             auth=None
             if not settings.auth_bearer_token
             else BearerToken(settings.auth_bearer_token),
+            lock=HeaderLock(settings.client_headers, settings.denied_header_action),
         )
         self.scraper = MetricsScraper(
             self.pool,

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from plugin.core.header_policy import STRATEGY_HEADER, HeaderPolicy, parse_header_policy
 from plugin.core.strategies import strategy_names
 from plugin.core.strategies.blend import parse_blend
 from plugin.errors import ConfigError, RequestError
@@ -185,6 +186,26 @@ class StrategyName(Kind[str]):
         if not any(weight > 0 for _, weight in members):
             raise Invalid(" gives every strategy weight 0")
         return text.strip()
+
+
+class HeaderPolicyText(Kind[HeaderPolicy]):
+    """`name=rule; ...` (`plugin.core.header_policy`): which routing headers clients may send."""
+
+    @property
+    def type_text(self) -> str:
+        return "`header=rule; ...` (a rule: `deny`, `allow` or the values allowed)"
+
+    def parse(self, text: str) -> HeaderPolicy:
+        try:
+            policy = parse_header_policy(text)
+        except ValueError as exc:
+            raise Invalid(f": {exc}") from None
+        rule = policy.rules.get(STRATEGY_HEADER)
+        unknown = sorted((rule.values or set()) - set(strategy_names())) if rule else []
+        if unknown:
+            known = ", ".join(sorted(strategy_names()))
+            raise Invalid(f": {STRATEGY_HEADER} allows an unknown strategy {unknown[0]} ({known})")
+        return policy
 
 
 @dataclass(frozen=True)

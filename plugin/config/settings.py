@@ -16,6 +16,8 @@ from plugin.config.variables import (
     AUTO_BLEND_PC_WEIGHT,
     CAPACITY_TAU_S,
     CAPACITY_WINDOW_S,
+    CLIENT_HEADERS,
+    DENIED_HEADER_ACTION,
     DEPLOYMENT_LABEL,
     DISCOVERY,
     DRAIN_S,
@@ -61,6 +63,7 @@ from plugin.config.variables import (
     SLO_MAX_WAIT_MS,
     TRACING,
 )
+from plugin.core.header_policy import HeaderPolicy
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings, SloSettings
 from plugin.core.strategies.blend import AutoBlend
@@ -110,6 +113,8 @@ class Settings:
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
     max_request_headers: int = MAX_REQUEST_HEADERS.default
     auth_bearer_token: str | None = field(default=None, repr=False)  # never printed
+    client_headers: HeaderPolicy = field(default_factory=HeaderPolicy)
+    denied_header_action: str = DENIED_HEADER_ACTION.default
     pods_file: str | None = PODS_FILE.default
     grpc_port: int = GRPC_PORT.default
     http_port: int = HTTP_PORT.default
@@ -251,6 +256,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_message_bytes=max_message_bytes(env),
         max_request_headers=max_request_headers(env),
         auth_bearer_token=AUTH_BEARER_TOKEN.read(env) or None,
+        client_headers=CLIENT_HEADERS.read(env),
+        denied_header_action=DENIED_HEADER_ACTION.read(env),
         pods_file=PODS_FILE.read(env),
         grpc_port=GRPC_PORT.read(env),
         http_port=HTTP_PORT.read(env),

@@ -13,6 +13,7 @@ from plugin.config.kinds import (
     Choice,
     Flag,
     Float,
+    HeaderPolicyText,
     Host,
     Int,
     LabelKey,
@@ -22,6 +23,7 @@ from plugin.config.kinds import (
     Text,
     Var,
 )
+from plugin.core.header_policy import HeaderPolicy
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings
 from plugin.core.strategies.blend import MAX_WEIGHT, AutoBlend
@@ -187,6 +189,26 @@ MAX_REQUEST_HEADERS: Var[int] = Var(
     " accept is routed; the plugin answers 431 to a request that would exceed it once its own"
     " headers are added, instead of Envoy's empty 503. Under Envoy Gateway, whose listener keeps"
     " 100, set 100.",
+)
+CLIENT_HEADERS: Var[HeaderPolicy] = Var(
+    "HETERO_GATEWAY_CLIENT_HEADERS",
+    HeaderPolicyText(),
+    HeaderPolicy(),
+    "Which routing headers clients may send (`routing-strategy`, `external-filter`,"
+    " `config-profile`, `x-slo-ttft-ms`, `x-slo-tpot-ms`): per header `deny`, `allow` or the values"
+    " allowed, separated by a bar, `;` between headers (`external-filter=deny`; for"
+    " `routing-strategy` each strategy of a weighted list must be allowed; docs/routing.md). A"
+    " model's config document overrides it per header (`clientHeaders`). Unset: clients steer, as"
+    " under AIBrix.",
+    shown_default="(none)",
+)
+DENIED_HEADER_ACTION: Var[str] = Var(
+    "HETERO_GATEWAY_DENIED_HEADER_ACTION",
+    Choice(("reject", "ignore")),
+    "reject",
+    "What a request sending a header `HETERO_GATEWAY_CLIENT_HEADERS` does not allow gets:"
+    " `reject`, a 403 in OpenAI's shape naming the header; `ignore`, routed as if it had not sent"
+    " it (logged once per header).",
 )
 PODS_FILE: Var[str | None] = Var(
     "HETERO_GATEWAY_PODS_FILE",
@@ -425,6 +447,8 @@ ENV_VARS: tuple[Var[Any], ...] = (
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_HEADERS,
     AUTH_BEARER_TOKEN,
+    CLIENT_HEADERS,
+    DENIED_HEADER_ACTION,
     PODS_FILE,
     GRPC_PORT,
     HTTP_PORT,

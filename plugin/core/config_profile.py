@@ -21,6 +21,8 @@ The document, as AIBrix reads it (`pkg/plugins/gateway/configprofiles`; its desi
   `prefixCacheLoadBalanceWeight`, overriding the `AIBRIX_ROUTING_AUTO_BLEND_*` variables.
 - `routingConfig.promptTokensGte` / `promptTokensLt` / `maxTokensGte` / `maxTokensLt`: the
   ranges `config-profile: auto` selects by.
+- `clientHeaders` (beside `profiles`; this gateway's, AIBrix ignores it): which routing headers
+  the model's clients may send (`plugin.core.header_policy`).
 
 Selection (`ModelConfig.select`): a named profile if it exists, else `defaultProfile`, else
 `default`. `auto` (any case) takes the profile whose range hints all hold for the request (a
@@ -44,6 +46,7 @@ from typing import Any, TypeVar, cast
 
 import orjson
 
+from plugin.core.header_policy import HeaderPolicy, policy_from_doc
 from plugin.core.strategy_list import MAX_WEIGHT, parse_blend
 from plugin.errors import RequestError
 
@@ -107,6 +110,7 @@ class ConfigProfile:
 class ModelConfig:
     default_profile: str
     profiles: Mapping[str, ConfigProfile]
+    client_headers: HeaderPolicy | None = None  # None: the gateway-wide policy alone
 
     def fallback(self) -> ConfigProfile | None:
         return self.profiles.get(self.default_profile) or self.profiles.get(DEFAULT_PROFILE)
@@ -261,6 +265,10 @@ def parse_model_config(
     if not isinstance(doc, dict):
         return None, ["not a JSON object; config ignored"]
     profiles_doc = doc.get("profiles")
+    if (profiles_doc is None or profiles_doc == {}) and "clientHeaders" in doc:
+        # Headers locked for the model, and no profiles.
+        client_headers = policy_from_doc(doc["clientHeaders"], problems)
+        return ModelConfig(DEFAULT_PROFILE, {}, client_headers), problems
     if not isinstance(profiles_doc, dict) or not profiles_doc:
         return None, ["no profiles; config ignored"]
     profiles = {
@@ -274,4 +282,5 @@ def parse_model_config(
     if not isinstance(default, str) or not default:
         problems.append(f"defaultProfile: {default!r} is not a name; {DEFAULT_PROFILE!r} used")
         default = DEFAULT_PROFILE
-    return ModelConfig(default, profiles), problems
+    client_headers = policy_from_doc(doc.get("clientHeaders"), problems)
+    return ModelConfig(default, profiles, client_headers), problems

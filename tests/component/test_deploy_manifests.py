@@ -40,6 +40,7 @@ from plugin.config import (
     Settings,
     load_settings,
 )
+from plugin.core.header_policy import CLIENT_ROUTING_HEADERS
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 from plugin.errors import ConfigError
 from tests.helpers import REPO, bootstrap_hcm
@@ -95,6 +96,7 @@ DESIGNED_VARS = {
     "POD_NAMESPACE",
     TRACING_FLAG,  # on where Redis is (the optimizer reads the traces)
     "HETERO_GATEWAY_MAX_REQUEST_HEADERS",  # Envoy Gateway's listener limit, not envoy-config's
+    "HETERO_GATEWAY_CLIENT_HEADERS",  # locked in deploy/components/locked-routing
 }
 
 
@@ -1167,7 +1169,9 @@ def test_shared_state_overlay_runs_replicas_against_one_redis(render: Kustomize)
     check_shared_state(render(SHARED_STATE))
 
 
-def test_shared_state_overlay_changes_only_redis_and_optimizer_things(render: Kustomize) -> None:
+def test_shared_state_overlay_changes_only_redis_optimizer_and_lock_things(
+    render: Kustomize,
+) -> None:
     shared = {resource_id(o): o for o in render(SHARED_STATE)}
     plain = {resource_id(o): o for o in render("original-dst")}
     added = {(kind, name) for _, kind, _, name in set(shared) - set(plain)}
@@ -1188,6 +1192,12 @@ def test_shared_state_overlay_changes_only_redis_and_optimizer_things(render: Ku
         if rid == config:
             other["data"]["REDIS_HOST"] = ""
             del other["data"][TRACING_FLAG]
+            # A shared gateway: clients steer nothing (deploy/components/locked-routing).
+            locked = load_settings(other["data"]).client_headers
+            assert sorted(locked.rules) == sorted(CLIENT_ROUTING_HEADERS)
+            assert all(rule.values == frozenset() for rule in locked.rules.values())
+            del other["data"]["HETERO_GATEWAY_CLIENT_HEADERS"]
+            del other["data"]["HETERO_GATEWAY_DENIED_HEADER_ACTION"]
         if rid == plugin:
             other["spec"]["replicas"] = obj["spec"]["replicas"]
         assert other == obj, rid

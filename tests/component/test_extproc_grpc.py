@@ -21,6 +21,7 @@ import grpc
 import orjson
 import pytest
 import pytest_asyncio
+import yaml
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -1018,6 +1019,122 @@ async def test_a_huge_unknown_model_name_gets_a_small_400(running: Running) -> N
     assert message.endswith(f"... ({len(name)} characters) does not exist")
     assert len(set_headers(immediate.headers)["x-error-no-model-backends"]) <= 128
     await stream.finish()
+
+
+# --- operator-locked routing headers ---------------------------------------------------------
+
+
+async def _locked_gateway(
+    tmp_path: Path,
+    reserve_port: Callable[[], int],
+    start_gateway: StartGateway,
+    env: dict[str, str],
+    config: dict[str, Any] | None = None,
+) -> AsyncIterator[Running]:
+    """Two pods of MODEL (`config`: the model's config document) and a gateway with
+    SETTINGS_ENV and `env`."""
+    entries = [
+        {
+            "name": n,
+            "namespace": "default",
+            "address": "127.0.0.1",
+            "port": reserve_port(),
+            "labels": {"gpu": "a100"},
+        }
+        for n in ("a", "b")
+    ]
+    spec: dict[str, Any] = {"pods": entries}
+    if config is not None:
+        spec["config"] = config
+    path = tmp_path / "pods.yaml"
+    path.write_text(yaml.safe_dump({"models": {MODEL: spec}}), encoding="utf-8")
+    gateway = await start_gateway(path, {**SETTINGS_ENV, **env})
+    async for r in _connected(gateway, path):
+        yield r
+
+
+async def _ask(r: Running, headers: dict[str, str]) -> pb.ProcessingResponse:
+    """A request with these routing headers through headers and body: the body's reply."""
+    stream = Stream(r.stub)
+    assert await stream.send(request_headers(extra=headers)) == HEADERS_CONTINUE
+    reply = await stream.send(request_body(CHAT_BODY))
+    stream.call.cancel()  # routed or refused: nothing more of this request matters here
+    return reply
+
+
+def _refusal(reply: pb.ProcessingResponse) -> dict[str, Any]:
+    immediate = reply.immediate_response
+    assert immediate.status.code == 403
+    assert set_headers(immediate.headers)["x-error-request-header-processing"] == b"true"
+    error: dict[str, Any] = orjson.loads(immediate.body)["error"]
+    assert (error["type"], error["code"]) == ("permission_error", "header_not_allowed")
+    return error
+
+
+def _routed_by(reply: pb.ProcessingResponse) -> str:
+    assert reply.WhichOneof("response") == "request_body", reply
+    return set_headers(reply.request_body.response.header_mutation)["routing-strategy"].decode()
+
+
+LOCK = "routing-strategy=random|least-request; external-filter=deny"
+
+
+async def test_a_locked_routing_header_gets_a_403_naming_it(
+    tmp_path: Path, reserve_port: Callable[[], int], start_gateway: StartGateway
+) -> None:
+    async for r in _locked_gateway(
+        tmp_path, reserve_port, start_gateway, {"HETERO_GATEWAY_CLIENT_HEADERS": LOCK}
+    ):
+        assert _routed_by(await _ask(r, {"routing-strategy": "least-request"})) == "least-request"
+        blend = await _ask(r, {"routing-strategy": "random:1,least-request:2"})
+        assert _routed_by(blend) == "random:1,least-request:2"
+        assert _routed_by(await _ask(r, {})) == "load-balance"  # no header: the default
+        error = _refusal(await _ask(r, {"routing-strategy": "round-robin"}))
+        assert error["param"] == "routing-strategy"
+        assert "least-request|random" in error["message"]
+        error = _refusal(await _ask(r, {"routing-strategy": "random:1,round-robin:1"}))
+        assert error["param"] == "routing-strategy"
+        error = _refusal(await _ask(r, {"external-filter": "gpu=a100"}))
+        assert error["param"] == "external-filter" and "may not be sent" in error["message"]
+        assert _routed_by(await _ask(r, {"x-slo-ttft-ms": "500"})) == "load-balance"  # unlocked
+        assert r.gateway.servicer.errors.counts[(403, "HeaderNotAllowed")] == 3
+
+
+async def test_an_ignored_locked_header_routes_as_if_it_was_not_sent(
+    tmp_path: Path,
+    reserve_port: Callable[[], int],
+    start_gateway: StartGateway,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    env = {"HETERO_GATEWAY_CLIENT_HEADERS": LOCK, "HETERO_GATEWAY_DENIED_HEADER_ACTION": "ignore"}
+    async for r in _locked_gateway(tmp_path, reserve_port, start_gateway, env):
+        for _ in range(2):
+            assert _routed_by(await _ask(r, {"routing-strategy": "round-robin"})) == "load-balance"
+        # A selector that matches no pod would fail the request: ignored, it routes.
+        assert _routed_by(await _ask(r, {"external-filter": "gpu=none"})) == "load-balance"
+    ignored = [m for m in caplog.messages if m.startswith("ignoring the")]
+    assert len(ignored) == 2  # once per header
+    assert "routing-strategy" in ignored[0] and "external-filter" in ignored[1]
+
+
+async def test_a_model_s_config_locks_or_lifts_headers_for_its_requests(
+    tmp_path: Path, reserve_port: Callable[[], int], start_gateway: StartGateway
+) -> None:
+    """`clientHeaders` in the model's config document: its rule replaces the gateway-wide one
+    for that header; the others stand."""
+    config = {"clientHeaders": {"external-filter": "allow", "x-slo-ttft-ms": "deny"}}
+    async for r in _locked_gateway(
+        tmp_path,
+        reserve_port,
+        start_gateway,
+        {"HETERO_GATEWAY_CLIENT_HEADERS": LOCK},
+        config,
+    ):
+        assert r.gateway.pool.model_config(MODEL) is not None
+        assert _routed_by(await _ask(r, {"external-filter": "gpu=a100"})) == "load-balance"
+        assert _refusal(await _ask(r, {"x-slo-ttft-ms": "500"}))["param"] == "x-slo-ttft-ms"
+        assert _refusal(await _ask(r, {"routing-strategy": "round-robin"}))
+        assert _routed_by(await _ask(r, {"routing-strategy": "random"})) == "random"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # imported by `serve` only when tracing is on
     from plugin.adapters.tracing import TraceRecorder
 
 
+from plugin.adapters.extproc.locks import HeaderLock
 from plugin.adapters.extproc.messages import (
     _ALWAYS_ADDED,
     _CONTINUE_REQUEST_BODY,
@@ -89,6 +91,7 @@ class RoutingProcessor:
         "_errors",
         "_handoff",
         "_headers",
+        "_lock",
         "_max_headers",
         "_passthrough",
         "_profile",
@@ -109,8 +112,10 @@ class RoutingProcessor:
         tracer: TraceRecorder | None = None,
         auth: BearerToken | None = None,
         strips_usage: bool = False,
+        lock: HeaderLock | None = None,
     ) -> None:
         self._router = router
+        self._lock = lock or HeaderLock()  # the routing headers clients may not send
         self._errors = errors
         # Envoy takes usage-only chunks out of marked streams: a stream that did not ask for
         # usage may be made to (its rewritten body, once routed, in `_usage_body`).
@@ -205,12 +210,13 @@ class RoutingProcessor:
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         request: RequestInfo | None = None
         try:
+            request = parse_request(body, request_id, arrived_at=self._arrived_at)
+            self._lock.check(request.model, self._router.pool.model_config(request.model), headers)
             slo = parse_slo(headers.get(SLO_TTFT_HEADER), headers.get(SLO_TPOT_HEADER))
             selector_text = headers.get(EXTERNAL_FILTER_HEADER)
-            selector = parse_selector(selector_text) if selector_text else None
-            request = parse_request(
-                body, request_id, arrived_at=self._arrived_at, slo=slo, pod_selector=selector
-            )
+            if slo is not None or selector_text:
+                selector = parse_selector(selector_text) if selector_text else None
+                request = dataclasses.replace(request, slo=slo, pod_selector=selector)
             strategy, profile = self._router.select(
                 request, headers.get("routing-strategy"), headers.get(CONFIG_PROFILE_HEADER)
             )

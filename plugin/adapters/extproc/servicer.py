@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported by `serve` only when tracing is on
 
 
 from plugin.adapters.extproc.counting import CountingProcessor
+from plugin.adapters.extproc.locks import HeaderLock
 from plugin.adapters.extproc.messages import DEFAULT_MAX_HEADERS, ErrorCounts
 from plugin.adapters.extproc.routing import RoutingProcessor
 from plugin.adapters.extproc.tokens import LeaseHandoff, Processor
@@ -36,12 +37,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         max_headers: int = DEFAULT_MAX_HEADERS,
         tracer: TraceRecorder | None = None,
         auth: BearerToken | None = None,
+        lock: HeaderLock | None = None,
     ) -> None:
         """`tracer`, when tracing is on, hears of every request's arrival, routing, end and
         reported size (a dict increment each); `auth`, when set, is the bearer token every
-        request must carry (AIBRIX_AUTH_BEARER_TOKEN)."""
+        request must carry (AIBRIX_AUTH_BEARER_TOKEN); `lock`, the routing headers clients may
+        not send (HETERO_GATEWAY_CLIENT_HEADERS)."""
         self.router = router
         self.auth = auth
+        self.lock = lock or HeaderLock()
         self.tracer = tracer
         self.errors = ErrorCounts()
         self.max_headers = max_headers
@@ -66,6 +70,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.tracer,
             self.auth,
             strips_usage,
+            self.lock,
         )
 
     async def Process(
