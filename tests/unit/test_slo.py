@@ -206,7 +206,10 @@ def test_a_streaming_request_takes_what_the_same_answer_to_a_short_prompt_does()
         routed = router.admit(req(clock, prompt_tokens=4096, max_tokens=32), strategy(router, name))
         assert isinstance(routed, Decision)
         assert routed.lease.load == pytest.approx(0.8)
-        assert routed.lease.streaming_load == pytest.approx(1 / 7), name
+        # Packing keeps the whole share: room is how full it packs a pod, and a pod packed by
+        # shrunk shares collides more long prompts than its profile was measured with.
+        kept = 0.8 if name == "slo-pack-load" else 1 / 7
+        assert routed.lease.streaming_load == pytest.approx(kept), name
         routed.lease.release()
     routed = router.admit(req(clock, prompt_tokens=64, max_tokens=32), strategy(router, "slo"))
     assert isinstance(routed, Decision)
