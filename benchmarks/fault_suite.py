@@ -544,21 +544,18 @@ SCENARIOS = (
 
 
 async def _scenario(name: str, path: Path, huge_count: int) -> Row:
-    if name == "plugin-kill":
-        return await plugin_kill(path)
-    if name == "hung-engine":
-        return await hung_engine(path)
-    if name == "dead-engine":
-        return await dead_engine(path)
-    if name == "hung-plugin":
-        return await hung_plugin(path)
-    if name == "metrics-404":
-        return await metrics_404(path)
-    if name == "many-headers":
-        return await many_headers(path)
-    if name == "cancelled-streams":
-        return await cancelled_streams(path)
-    return await huge_model(path, huge_count)
+    if name == "huge-model":
+        return await huge_model(path, huge_count)
+    runs: dict[str, Callable[[Path], Awaitable[Row]]] = {
+        "plugin-kill": plugin_kill,
+        "hung-engine": hung_engine,
+        "dead-engine": dead_engine,
+        "hung-plugin": hung_plugin,
+        "metrics-404": metrics_404,
+        "many-headers": many_headers,
+        "cancelled-streams": cancelled_streams,
+    }
+    return await runs[name](path)
 
 
 def _repeated(rows: list[Row]) -> Row:

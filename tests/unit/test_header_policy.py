@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from plugin.adapters.steering import CONFIG_PROFILE_HEADER
 from plugin.config import load_settings
 from plugin.core.config_profile import parse_model_config
-from plugin.core.header_policy import HeaderPolicy, HeaderRule, parse_header_policy
+from plugin.core.header_policy import (
+    CLIENT_ROUTING_HEADERS,
+    HeaderPolicy,
+    HeaderRule,
+    parse_header_policy,
+)
+from plugin.core.request import SLO_TPOT_HEADER, SLO_TTFT_HEADER
+from plugin.core.selector import EXTERNAL_FILTER_HEADER
 from plugin.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -107,3 +115,14 @@ def test_a_config_with_locks_and_no_profiles_is_kept() -> None:
     assert parse_model_config({"clientHeaders": 3}, ())[1] == [
         "clientHeaders: not an object; ignored"
     ]
+
+
+def test_the_locked_names_are_the_headers_routing_reads() -> None:
+    """The policy sits below the modules that name these headers (layers): same names."""
+    assert CLIENT_ROUTING_HEADERS == (
+        "routing-strategy",
+        EXTERNAL_FILTER_HEADER,
+        CONFIG_PROFILE_HEADER,
+        SLO_TTFT_HEADER,
+        SLO_TPOT_HEADER,
+    )
