@@ -274,14 +274,17 @@ class MetricsScraper:
         if session is None or pod.key in self._probing:
             return
         self._probing.add(pod.key)
-        task = asyncio.get_running_loop().create_task(self._scrape(session, pod))
+        task = asyncio.get_running_loop().create_task(self._probe(session, pod))
         self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
-        def done(t: asyncio.Task[None], key: str = pod.key) -> None:
-            self._probes.discard(t)
-            self._probing.discard(key)
-
-        task.add_done_callback(done)
+    async def _probe(self, session: aiohttp.ClientSession, pod: Pod) -> None:
+        # The pod leaves `_probing` in the same step that records the probe's verdict: a done
+        # callback runs a loop turn later, and a failure seen in that turn asked for no probe.
+        try:
+            await self._scrape(session, pod)
+        finally:
+            self._probing.discard(pod.key)
 
     async def run(self) -> None:
         # No connector limit (see MAX_CONCURRENT_SCRAPES); each pod keeps its connection alive
