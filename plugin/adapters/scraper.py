@@ -61,6 +61,8 @@ MAX_METRICS_BYTES = 8 * 1024 * 1024
 # limit makes every released connection shuffle the queue of waiting hosts, which at a thousand
 # pods cost more CPU than the scrapes (`docs/plugin-cost.md`).
 MAX_CONCURRENT_SCRAPES = 64
+# How often the stall watch looks for pods whose streams went quiet (`PodPool.silent`).
+SILENCE_CHECK_S = 0.1
 _NOTHING = EngineMetrics()
 UNREACHABLE, UNUSABLE = "unreachable", "unusable"  # the causes of a failed scrape
 
@@ -291,12 +293,30 @@ class MetricsScraper:
         # between ticks.
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             self._session = session
-            next_at = self._clock()
-            while True:
-                try:
-                    await self.tick(session)
-                except Exception:  # a bug here must not stop scraping for good
-                    log.exception("metrics refresh failed")
-                # A tick that overran does not make the next ones run back to back.
-                next_at = max(next_at + self._interval_s, self._clock())
-                await asyncio.sleep(next_at - self._clock())
+            watch = asyncio.get_running_loop().create_task(self._watch_silence())
+            try:
+                next_at = self._clock()
+                while True:
+                    try:
+                        await self.tick(session)
+                    except Exception:  # a bug here must not stop scraping for good
+                        log.exception("metrics refresh failed")
+                    # A tick that overran does not make the next ones run back to back.
+                    next_at = max(next_at + self._interval_s, self._clock())
+                    await asyncio.sleep(next_at - self._clock())
+            finally:
+                watch.cancel()
+
+    async def _watch_silence(self) -> None:
+        """Probe pods whose open streams all went quiet for longer than a scrape may take
+        (`PodPool.silent`): a hung engine leaves rotation a probe's timeout later, not at the
+        next tick. Between ticks only: the watch costs one pass over the pods per period."""
+        silent_s = self._timeout.total or 0.0
+        while True:
+            await asyncio.sleep(SILENCE_CHECK_S)
+            try:
+                for pod in self._pool.silent(self._clock(), silent_s):
+                    log.debug("streams of %s silent for over %.2f s: probing it", pod.key, silent_s)
+                    self.probe(pod)
+            except Exception:  # a bug here must not stop the watch, nor scraping
+                log.exception("stream silence watch failed")

@@ -343,7 +343,10 @@ class PodPool:
         """One of this gateway's responses from the pod sent its first chunk (its prompt of
         `prompt_tokens` was prefilled in the steps just run)."""
         record = self._records.get(key)
-        if prompt_tokens <= 0 or record is None:
+        if record is None:
+            return
+        record.open_streams += 1
+        if prompt_tokens <= 0:
             return  # nothing known to have been prefilled
         record.streaming_prompt += prompt_tokens
         watch = record.speed.gaps
@@ -359,11 +362,37 @@ class PodPool:
         record = self._records.get(key)
         if record is None:
             return
+        record.open_streams = max(0, record.open_streams - 1)
         if prompt_tokens > 0:
             record.streaming_prompt = max(0, record.streaming_prompt - prompt_tokens)
         watch = record.speed.gaps
         if watch is not None:
             watch.ended(output_tokens, events)
+
+    def stream_alive(self, key: str, now: float) -> None:
+        """A chunk of one of the pod's open streams came at `now` (for `silent`)."""
+        record = self._records.get(key)
+        if record is not None:
+            record.last_chunk_at = now
+
+    def silent(self, now: float, silent_s: float) -> list[Pod]:
+        """Listed pods in rotation with open streams none of which sent a chunk for over
+        `silent_s`: an engine that hung mid-generation. The scraper probes them at once, so
+        the hang is seen within about two scrape timeouts, not at the next scrape tick after
+        more requests were routed into it. Each silence is told once (a probe that finds the
+        engine alive, a long prefill stalling its streams, is not repeated until the next chunk)."""
+        quiet: list[Pod] = []
+        for key, record in self._records.items():
+            if (
+                record.open_streams
+                and record.listed
+                and not record.unreachable
+                and now - record.last_chunk_at > silent_s
+                and record.silence_told != record.last_chunk_at
+            ):
+                record.silence_told = record.last_chunk_at
+                quiet.append(self._pods[key])
+        return quiet
 
     def observe_chunk_gap(self, key: str, gap_s: float, count: int = 1) -> None:
         """Seconds between two chunks of one of the pod's streams (`count` streams saw it):

@@ -146,6 +146,11 @@ class PodRecord:
     inflight: int = 0
     inflight_prompt: int = 0  # their prompt tokens (`Lease.prompt_tokens`)
     streaming_prompt: int = 0  # of those, the ones whose first chunk came (prefilled)
+    # Its responses this gateway watches between their first chunk and their end, and when the
+    # last chunk of any came (`PodPool.silent`: a hung engine sends none).
+    open_streams: int = 0
+    last_chunk_at: float = 0.0
+    silence_told: float = -1.0  # `last_chunk_at` when its silence was last told
     load: float = 0.0  # summed `Lease.load` (SLO routing)
     # What it served (for metrics and the capacity estimate).
     routed: int = 0
@@ -211,6 +216,8 @@ class PodRecord:
             inflight=self.inflight,
             inflight_prompt=self.inflight_prompt,
             streaming_prompt=self.streaming_prompt,
+            open_streams=self.open_streams,
+            last_chunk_at=self.last_chunk_at,
             load=self.load,
         )
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import random
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -751,6 +752,42 @@ async def test_a_failed_request_probes_its_engine_at_once(serve: ServeFn) -> Non
         engine.hang, engine.status = False, 200
         pool.acquire(a).release(0, 502, 1.0)
         await eventually(lambda: not pool.unreachable(a.key), "a back once it answers")
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+
+
+async def test_a_pod_whose_streams_went_silent_is_probed_between_ticks(serve: ServeFn) -> None:
+    """A hung engine stops its streams before its next scrape is due: once all of a pod's open
+    streams are quiet for a scrape timeout, the stall watch probes it, and an engine that does
+    not answer leaves rotation then. One that answers (streams stalled behind a long prefill)
+    stays and is probed once per silence."""
+    hung, alive = await serve(Engine(port=0)), await serve(Engine(port=0))
+    a, b = _pod("a", hung.port), _pod("b", alive.port)
+    pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
+    pool.set_pods([a, b])
+    scraper = MetricsScraper(pool, interval_s=3600.0, timeout_s=0.3)  # one tick, at start
+    running = asyncio.create_task(scraper.run())
+    try:
+        await eventually(lambda: hung.hits == 1 and alive.hits == 1, "the first tick")
+        for pod in (a, b):
+            pool.stream_started(pod.key, 16)
+            pool.stream_alive(pod.key, time.monotonic())
+        hung.hang = True  # `a` stops: no chunk, no scrape answer
+        # Within the wait, not at the hour's tick: a silence (0.3 s) and a probe's timeout.
+        await eventually(lambda: pool.unreachable(a.key), "a out of rotation")
+        assert hung.hits == 2
+        await eventually(lambda: alive.hits == 2, "the probe of b, silent too")
+        assert not pool.unreachable(b.key)  # it answered: it stays
+        await asyncio.sleep(0.6)
+        assert alive.hits == 2  # the same silence is not probed again
+        pool.stream_alive(b.key, time.monotonic())  # a chunk, then silence anew
+        await eventually(lambda: alive.hits == 3, "a probe of the new silence")
+        pool.stream_ended(b.key, 16)
+        pool.stream_alive(b.key, time.monotonic())
+        await asyncio.sleep(0.6)
+        assert alive.hits == 3  # no open stream: nothing to watch
     finally:
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):

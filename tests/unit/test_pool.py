@@ -440,3 +440,44 @@ def test_a_probe_that_finds_the_engine_queueing_above_the_old_cap_keeps_what_it_
     _scrape(pool, a, 256, 4, 65.0)
     assert pool.saturation(a.key) == 256
     del leases
+
+
+def test_silent_tells_pods_whose_open_streams_all_went_quiet_once_per_silence() -> None:
+    a, b, c = pod("a"), pod("b"), pod("c")
+    pool = make_pool(a, b, c)
+    for p in (a, b):
+        pool.stream_started(p.key, 10)
+        pool.stream_alive(p.key, 1.0)
+    pool.stream_alive(b.key, 1.4)  # b's streams still send
+    assert pool.silent(1.5, 0.3) == [a]  # c has no open stream: nothing to hear from
+    assert pool.silent(1.6, 0.3) == []  # told once
+    assert pool.silent(2.0, 0.3) == [b]
+    pool.stream_alive(a.key, 2.0)  # a chunk: a new silence may be told
+    assert pool.silent(2.2, 0.3) == []
+    assert pool.silent(2.4, 0.3) == [a]
+    pool.stream_alive(a.key, 2.5)
+    pool.scrape_failed(a.key)  # out of rotation already: no probe from the watch
+    assert pool.silent(3.0, 0.3) == []
+    pool.stream_ended(b.key, 10)
+    pool.stream_alive(b.key, 3.0)
+    assert pool.silent(4.0, 0.3) == []  # its only stream ended
+    pool.stream_ended(b.key, 10)  # an extra end does not go below none open
+    pool.stream_started(b.key, 10)
+    pool.stream_alive(b.key, 4.0)
+    assert pool.silent(4.5, 0.3) == [b]
+
+
+def test_a_removed_pods_open_streams_are_kept_until_it_returns() -> None:
+    a = pod("a")
+    pool = make_pool(a)
+    lease = pool.acquire(a)
+    pool.stream_started(a.key, 10)
+    pool.stream_alive(a.key, 1.0)
+    pool.set_pods([])
+    assert pool.silent(5.0, 0.3) == []  # not listed: not probed
+    pool.set_pods([a])
+    assert pool.silent(5.0, 0.3) == [a]  # its stream is still open and quiet
+    pool.stream_ended(a.key, 10)
+    lease.release(3, 200, 5.0)
+    pool.stream_alive(a.key, 6.0)
+    assert pool.silent(9.0, 0.3) == []

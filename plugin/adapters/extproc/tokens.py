@@ -53,6 +53,7 @@ class ChunkGaps:
         if new <= 0:
             return
         now = self._clock()
+        self._pool.stream_alive(self.key, now)
         last = self._last
         if last is None:
             self._pool.stream_started(self.key, self.prompt_tokens)
