@@ -20,6 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from plugin_tools.bench.slo import SloBench, run_bench
 from plugin_tools.docsection import write_section
 
@@ -131,6 +133,9 @@ def main() -> int:
         "--strategies", help="comma-separated strategies to run (default: all five)"
     )
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--json", type=Path, help="also write every figure (per request class too) to this file"
+    )
     args = parser.parse_args()
     bench = replace(SloBench(), duration_s=args.duration, percentile=args.percentile)
     if args.strategies:
@@ -141,6 +146,8 @@ def main() -> int:
                 bench, Path(tmp), log=lambda m: print(m, file=sys.stderr), profile_dir=args.profiles
             )
         )
+    if args.json:
+        args.json.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     text = render(doc)
     print(text)
     if not args.no_write and args.strategies:

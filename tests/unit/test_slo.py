@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from scipy import stats
 
 from plugin.adapters.http import queue_families
 from plugin.core.capacity import CapacityEstimator
@@ -25,7 +26,7 @@ from plugin.core.request import parse_request
 from plugin.core.router import WAIT_BUCKETS_S, Decision, Router, Waiter, WaitStats
 from plugin.core.selector import parse_selector
 from plugin.core.strategies import OutputHistory, SloSettings, Strategy, build_strategies
-from plugin.core.strategies.slo import fit
+from plugin.core.strategies.slo import burst_room, fit, poisson_quantile
 from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
 from plugin.errors import QueueFull, RoutingFailed, ShuttingDown
 from tests.helpers import chat_body, make_pod
@@ -45,8 +46,11 @@ class Clock:
         return self.t
 
 
-def grid_profile(gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0) -> GpuProfile:
-    """Outputs 4 and 512 tokens, input 128; the 512-token cell never meets the SLO."""
+def grid_profile(
+    gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0, percentile: int = 0
+) -> GpuProfile:
+    """Outputs 4 and 512 tokens, input 128; the 512-token cell never meets the SLO. Checked at
+    the mean by default, so a pod is full at 1.0 (`burst_room` widens that for percentiles)."""
     return GpuProfile(
         gpu,
         1.0,
@@ -56,7 +60,7 @@ def grid_profile(gpu: str, tput: float, e2e: float, slo_e2e: float = 5.0) -> Gpu
         0.0,
         ((e2e,), (e2e * 10,)),
         ((e2e / 10,), (e2e,)),  # TTFT
-        percentile=99,
+        percentile=percentile,
         slos={"e2e": slo_e2e},
     )
 
@@ -177,7 +181,7 @@ def test_a_long_prompt_takes_what_it_costs_in_a_mix_not_what_its_size_sustains_a
     assert isinstance(router.admit(req(clock, prompt_tokens=4096, max_tokens=64), slo), Waiter)
 
 
-def long_and_short_profile() -> GpuProfile:
+def long_and_short_profile(percentile: int = 99) -> GpuProfile:
     """Inputs 64 and 4096, 32 tokens out: a short request takes 1 / (20 x 0.35) of the pod, a
     long one 1 / (1 x 1.25) = 0.8 (TTFT 1 s at p99)."""
     return GpuProfile(
@@ -189,7 +193,7 @@ def long_and_short_profile() -> GpuProfile:
         0.0,
         ((0.35, 1.25),),
         ((0.05, 0.4),),
-        percentile=99,
+        percentile=percentile,
         slos={"ttft": 1.0},
     )
 
@@ -218,8 +222,9 @@ def test_a_streaming_request_takes_what_the_same_answer_to_a_short_prompt_does()
 
 def test_a_request_held_behind_a_long_prompt_goes_once_that_prompt_is_prefilled() -> None:
     """The engine would queue the second long prompt behind the first one's prefill only; the
-    gateway holds it that long too, not until the first answer ends."""
-    profile = long_and_short_profile()
+    gateway holds it that long too, not until the first answer ends. (Checked at the mean, the
+    profile leaves no room for a burst: `burst_room`.)"""
+    profile = long_and_short_profile(percentile=0)
     router, pool, clock, _ = setup(pod("a", "fast"), profiles={profile_key(MODEL, "fast"): profile})
     slo = strategy(router, "slo")
     first = router.admit(req(clock, prompt_tokens=4096, max_tokens=32), slo)
@@ -238,6 +243,59 @@ def test_a_request_held_behind_a_long_prompt_goes_once_that_prompt_is_prefilled(
     second.lease.release()
     second.lease.streaming()  # after the release: nothing
     assert pool.load("ns/a") == 0.0 and pool.inflight("ns/a") == 0
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("mean", [0.2, 0.5, 1.0, 1.25, 7.0, 10.0, 49.0, 50.0, 80.0, 400.0, 5000.0])
+def test_the_burst_a_profile_went_through_is_scipy_s_poisson_quantile(
+    mean: float, p: float
+) -> None:
+    assert poisson_quantile(mean, p) == stats.poisson.ppf(p, mean)
+
+
+def test_burst_room_counts_the_cell_alone_in_shares_and_keeps_the_mean_for_mean_profiles() -> None:
+    c = Candidate(pod("a", "fast"), 0, None, None, None)
+    # The long cell alone: 1 req/s x 1.25 s in flight; p99 of Poisson(1.25) is 4 of 0.8 each.
+    long = fit(c, long_and_short_profile(99), RequestInfo(MODEL, prompt_tokens=4096), 32)
+    assert burst_room(long) == pytest.approx(3.2)
+    mean = fit(c, long_and_short_profile(0), RequestInfo(MODEL, prompt_tokens=4096), 32)
+    assert mean.consumption == long.consumption and burst_room(mean) == 1.0
+    # A cell priced by the mix (5 req/s, from the smaller prompt's 20 / 4) keeps the burst its
+    # own stream went through (0.5 x 1 s in flight: 3 at p99, 0.6 shares): never below 1.0.
+    profile = GpuProfile(
+        "fast", 1.0, (32,), (1024, 4096), ((20.0, 0.5),), 0.0, ((1.0, 1.0),), percentile=99
+    )
+    mixed = fit(c, profile, RequestInfo(MODEL, prompt_tokens=4096), 32)
+    assert mixed.consumption == pytest.approx(0.2) and burst_room(mixed) == 1.0
+
+
+def test_pulling_routes_the_burst_a_p99_profile_absorbed_and_packing_does_not() -> None:
+    """At 1 long prompt a second on average (m = 1.25 in flight), a Poisson stream has 4 in
+    flight 1% of the time, and the profile met its p99 TTFT through that: `slo` routes 4 at
+    once (3.2 shares) and holds the fifth. Checked at the mean it holds the second."""
+    for percentile, routed in ((99, 4), (90, 3), (0, 1)):
+        profile = long_and_short_profile(percentile)
+        router, pool, clock, _ = setup(
+            pod("a", "fast"), profiles={profile_key(MODEL, "fast"): profile}
+        )
+        slo = strategy(router, "slo")
+        answers = [
+            router.admit(req(clock, prompt_tokens=4096, max_tokens=32), slo) for _ in range(6)
+        ]
+        kinds = [type(a).__name__ for a in answers]
+        assert kinds == ["Decision"] * routed + ["Waiter"] * (6 - routed), percentile
+        assert pool.load("ns/a") == pytest.approx(0.8 * routed)
+    # Packing keeps the mean as the pod's room: a second pod takes the second long prompt.
+    profile = long_and_short_profile(99)
+    router, pool, clock, _ = setup(
+        pod("a", "fast"), pod("b", "fast"), profiles={profile_key(MODEL, "fast"): profile}
+    )
+    pack = strategy(router, "slo-pack-load")
+    for _ in range(2):
+        assert isinstance(
+            router.admit(req(clock, prompt_tokens=4096, max_tokens=32), pack), Decision
+        )
+    assert (pool.inflight("ns/a"), pool.inflight("ns/b")) == (1, 1)
 
 
 def test_pulling_fills_by_least_load_then_holds_then_wakes_on_release() -> None:

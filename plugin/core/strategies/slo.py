@@ -44,7 +44,11 @@ Strategies (never blended with others):
 
 - `slo-least-load-pulling` and `slo`: the least loaded pod with room; with none, the request
   waits at the gateway (most urgent first: waited + expected - target) until a lease ends and
-  frees room, or is rejected (503) as soon as its SLO can no longer be met;
+  frees room, or is rejected (503) as soon as its SLO can no longer be met. Room here is not
+  the mean occupancy (1.0) but the burst of the request's cell the profile's own measurement
+  went through (`burst_room`: the profile's percentile of the Poisson number of the cell's
+  requests in flight at its `tputs`, in shares), since holding at the mean refuses states the
+  engine served within the SLO when it was profiled;
 - `slo-least-load`: the least loaded pod that can serve the size, room ignored;
 - `slo-pack-load`: the fullest pod that still has room (fewer pods busy), of the GPU type that
   serves the request for the least (its profile's `cost` over the cell's rate, `SloFit.price`);
@@ -60,8 +64,10 @@ gateway's default strategy (the router does that).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -88,11 +94,14 @@ __all__ = [
     "SloFit",
     "SloSettings",
     "SloStrategy",
+    "burst_room",
     "fit",
+    "poisson_quantile",
 ]
 
 HISTORY_WINDOW_S = 240.0
 ROOM = 1.0 + 1e-9  # a pod is full at 1.0 (the epsilon absorbs float sums of consumptions)
+_EXACT_BELOW = 50.0  # Poisson means from here on take the normal approximation (`burst_room`)
 PRICE_TIE = 1.0 + 1e-9  # GPU types this close in price per request pack as one
 
 
@@ -380,7 +389,16 @@ class SloStrategy(Strategy):
                     f"{waited:.2f} s"
                 )
             )
-        room = [f for f in servable if _has_room(least_load(f), f.consumption)]
+        pulling = self.mode == "pulling"
+        room = [
+            f
+            for f in servable
+            if _has_room(
+                least_load(f),
+                f.consumption,
+                burst_room(f) if pulling else 1.0,
+            )
+        ]
         if self.mode == "least" or (self.mode == "pack" and not room):
             return _Choice(servable, fullest=False)
         if room and self.mode == "pack":  # the cheapest GPU type per request first
@@ -416,11 +434,52 @@ class _Choice:
     fullest: bool
 
 
-def _has_room(load: float, consumption: float) -> bool:
-    """Whether a pod at `load` has room for a request taking `consumption` of it. An idle pod
-    always has: a profile whose best passing rate was low gives a request a consumption above
-    1 (tputs x e2e < 1), which must not keep it off an empty pod."""
-    return load + consumption <= ROOM or load <= 0
+def _has_room(load: float, consumption: float, full: float = 1.0) -> bool:
+    """Whether a pod at `load` has room for a request taking `consumption` of it, the pod being
+    full at `full` (1.0, or the pulling strategies' `burst_room`). An idle pod always has: a
+    profile whose best passing rate was low gives a request a consumption above 1 (tputs x e2e
+    < 1), which must not keep it off an empty pod."""
+    return load + consumption <= full * ROOM or load <= 0
+
+
+def burst_room(f: SloFit) -> float:
+    """How full a pod may be, counted in shares and with the request in, for `slo` to route a
+    request now rather than hold it: the burst of its cell the profile's own measurement went
+    through, in shares (see `poisson_quantile`); at least 1.0, and 1.0 for a profile checked at
+    the mean (AIBrix's default, percentile 0)."""
+    profile = f.profile
+    if not 0 < profile.percentile < 100:
+        return 1.0
+    i, j = f.cell
+    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
+    alone = profile.tputs[i][j] * (e2e if e2e > 0 and math.isfinite(e2e) else 1.0)
+    return max(1.0, poisson_quantile(alone, profile.percentile / 100.0) * f.consumption)
+
+
+@functools.lru_cache(maxsize=4096)
+def poisson_quantile(mean: float, p: float) -> int:
+    """How many requests of one cell were in flight at once, at the profile's percentile, while
+    its sweep measured the cell: a Poisson stream at the cell's rate `tputs` has a Poisson
+    number in flight, of `mean = tputs x e2e` (Little's law). The engine absorbed those bursts
+    and still met the SLO at that percentile, so holding a request as soon as the mean share
+    (1.0) is reached refuses states the profile passed: a cap at the mean blocks like an Erlang
+    loss system, half the time for a cell of one request in flight (a 4k prompt), and a held
+    request is rejected once its slack runs out. The count is of the cell alone, as measured
+    (not of `mix_tputs`, derived), and is given in shares by `burst_room`: 4 requests of a cell
+    of 1.25 in flight at p99 (3 at p90), about `mean` for large cells (bursts even out).
+    `p` in (0, 1). Cached: a profile has few cells."""
+    if not mean > 0 or not math.isfinite(mean):
+        return 0
+    if mean >= _EXACT_BELOW:
+        z = statistics.NormalDist().inv_cdf(p)  # with the skew's first correction
+        return math.ceil(mean + z * math.sqrt(mean) + (z * z - 1.0) / 6.0 - 0.5)
+    k, term = 0, math.exp(-mean)
+    cdf = term
+    while cdf < p:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
 
 
 def _with_room(entries: Any, consumption: float) -> int:
