@@ -342,16 +342,8 @@ class PodPool:
     def stream_started(self, key: str, prompt_tokens: int = 0) -> None:
         """One of this gateway's responses from the pod sent its first chunk (its prompt of
         `prompt_tokens` was prefilled in the steps just run)."""
-        record = self._records.get(key)
-        if record is None:
-            return
-        record.open_streams += 1
-        if prompt_tokens <= 0:
-            return  # nothing known to have been prefilled
-        record.streaming_prompt += prompt_tokens
-        watch = record.speed.gaps
-        if watch is not None:
-            watch.started(prompt_tokens)
+        if (record := self._records.get(key)) is not None:
+            record.stream_started(prompt_tokens)
 
     def stream_ended(
         self, key: str, prompt_tokens: int = 0, output_tokens: int = 0, events: int = 0
@@ -359,40 +351,20 @@ class PodPool:
         """A response that had started (`stream_started`, with the same `prompt_tokens`)
         ended, after `events` chunks that carried `output_tokens` (the watch learns how many
         tokens the pod sends a chunk)."""
-        record = self._records.get(key)
-        if record is None:
-            return
-        record.open_streams = max(0, record.open_streams - 1)
-        if prompt_tokens > 0:
-            record.streaming_prompt = max(0, record.streaming_prompt - prompt_tokens)
-        watch = record.speed.gaps
-        if watch is not None:
-            watch.ended(output_tokens, events)
+        if (record := self._records.get(key)) is not None:
+            record.stream_ended(prompt_tokens, output_tokens, events)
 
     def stream_alive(self, key: str, now: float) -> None:
         """A chunk of one of the pod's open streams came at `now` (for `silent`)."""
-        record = self._records.get(key)
-        if record is not None:
+        if (record := self._records.get(key)) is not None:
             record.last_chunk_at = now
 
     def silent(self, now: float, silent_s: float) -> list[Pod]:
         """Listed pods in rotation with open streams none of which sent a chunk for over
         `silent_s`: an engine that hung mid-generation. The scraper probes them at once, so
         the hang is seen within about two scrape timeouts, not at the next scrape tick after
-        more requests were routed into it. Each silence is told once (a probe that finds the
-        engine alive, a long prefill stalling its streams, is not repeated until the next chunk)."""
-        quiet: list[Pod] = []
-        for key, record in self._records.items():
-            if (
-                record.open_streams
-                and record.listed
-                and not record.unreachable
-                and now - record.last_chunk_at > silent_s
-                and record.silence_told != record.last_chunk_at
-            ):
-                record.silence_told = record.last_chunk_at
-                quiet.append(self._pods[key])
-        return quiet
+        more requests were routed into it. Each silence is told once (`PodRecord.tell_silence`)."""
+        return [self._pods[k] for k, r in self._records.items() if r.tell_silence(now, silent_s)]
 
     def observe_chunk_gap(self, key: str, gap_s: float, count: int = 1) -> None:
         """Seconds between two chunks of one of the pod's streams (`count` streams saw it):

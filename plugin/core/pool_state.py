@@ -209,6 +209,38 @@ class PodRecord:
         if prompt_tokens:
             self.inflight_prompt = max(0, self.inflight_prompt - prompt_tokens)
 
+    def stream_started(self, prompt_tokens: int) -> None:
+        """One of its responses sent its first chunk (`PodPool.stream_started`)."""
+        self.open_streams += 1
+        if prompt_tokens <= 0:
+            return  # nothing known to have been prefilled
+        self.streaming_prompt += prompt_tokens
+        if (watch := self.speed.gaps) is not None:
+            watch.started(prompt_tokens)
+
+    def stream_ended(self, prompt_tokens: int, output_tokens: int, events: int) -> None:
+        """A started response ended (`PodPool.stream_ended`)."""
+        self.open_streams = max(0, self.open_streams - 1)
+        if prompt_tokens > 0:
+            self.streaming_prompt = max(0, self.streaming_prompt - prompt_tokens)
+        if (watch := self.speed.gaps) is not None:
+            watch.ended(output_tokens, events)
+
+    def tell_silence(self, now: float, silent_s: float) -> bool:
+        """Whether a listed pod in rotation has open streams none of which sent a chunk for
+        over `silent_s`, not told since its last chunk (a probe that finds the engine alive, a
+        long prefill stalling its streams, is not repeated until the next chunk)."""
+        if (
+            self.open_streams
+            and self.listed
+            and not self.unreachable
+            and now - self.last_chunk_at > silent_s
+            and self.silence_told != self.last_chunk_at
+        ):
+            self.silence_told = self.last_chunk_at
+            return True
+        return False
+
     def leases_only(self) -> PodRecord:
         """The record of the pod once removed: its lease counts, nothing learned."""
         return PodRecord(
