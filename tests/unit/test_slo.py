@@ -181,9 +181,9 @@ def test_a_long_prompt_takes_what_it_costs_in_a_mix_not_what_its_size_sustains_a
     assert isinstance(router.admit(req(clock, prompt_tokens=4096, max_tokens=64), slo), Waiter)
 
 
-def long_and_short_profile(percentile: int = 99) -> GpuProfile:
+def long_and_short_profile(percentile: int = 99, long_ttft: float = 0.4) -> GpuProfile:
     """Inputs 64 and 4096, 32 tokens out: a short request takes 1 / (20 x 0.35) of the pod, a
-    long one 1 / (1 x 1.25) = 0.8 (TTFT 1 s at p99)."""
+    long one 1 / (1 x 1.25) = 0.8 (TTFT 1 s at p99; a long prompt's TTFT `long_ttft`)."""
     return GpuProfile(
         "fast",
         1.0,
@@ -192,7 +192,7 @@ def long_and_short_profile(percentile: int = 99) -> GpuProfile:
         ((20.0, 1.0),),
         0.0,
         ((0.35, 1.25),),
-        ((0.05, 0.4),),
+        ((0.05, long_ttft),),
         percentile=percentile,
         slos={"ttft": 1.0},
     )
@@ -256,7 +256,8 @@ def test_the_burst_a_profile_went_through_is_scipy_s_poisson_quantile(
 def test_burst_room_counts_the_cell_alone_in_shares_and_keeps_the_mean_for_mean_profiles() -> None:
     c = Candidate(pod("a", "fast"), 0, None, None, None)
     # The long cell alone: 1 req/s x 1.25 s in flight; p99 of Poisson(1.25) is 4 of 0.8 each.
-    long = fit(c, long_and_short_profile(99), RequestInfo(MODEL, prompt_tokens=4096), 32)
+    # (A long prompt's TTFT of 0.2 s lets 5 prefill within 1 s: the count binds.)
+    long = fit(c, long_and_short_profile(99, 0.2), RequestInfo(MODEL, prompt_tokens=4096), 32)
     assert burst_room(long) == pytest.approx(3.2)
     mean = fit(c, long_and_short_profile(0), RequestInfo(MODEL, prompt_tokens=4096), 32)
     assert mean.consumption == long.consumption and burst_room(mean) == 1.0
@@ -269,12 +270,49 @@ def test_burst_room_counts_the_cell_alone_in_shares_and_keeps_the_mean_for_mean_
     assert mixed.consumption == pytest.approx(0.2) and burst_room(mixed) == 1.0
 
 
+def test_a_pod_below_its_mean_comes_before_a_less_loaded_one_only_within_its_burst() -> None:
+    """Burst room replaces holding, not the pick: a pod with room below its mean occupancy
+    takes the request even where another, less loaded, would take it only as a burst."""
+    fast = long_and_short_profile(99, long_ttft=0.2)  # a long prompt: 0.8 of the pod
+    other = dataclasses.replace(fast, gpu="other", e2e=((0.35, 1 / 0.6),))  # 0.6 of it
+    a, b = pod("a", "fast"), pod("b", "other")
+    router, pool, clock, _ = setup(
+        a, b, profiles={profile_key(MODEL, "fast"): fast, profile_key(MODEL, "other"): other}
+    )
+    pool.acquire(a, load=0.3)  # 0.3 + 0.8 > 1: room only as a burst (3.2)
+    pool.acquire(b, load=0.35)  # 0.35 + 0.6 <= 1: room below the mean
+    for name in ("slo", "slo-least-load-pulling"):
+        routed = router.admit(req(clock, prompt_tokens=4096, max_tokens=32), strategy(router, name))
+        assert isinstance(routed, Decision) and routed.lease.pod.key == "ns/b", name
+        routed.lease.release()
+
+
+def test_a_burst_is_at_most_what_prefills_one_after_another_within_the_ttft() -> None:
+    """A p99 profile whose long cell had 4 in flight (1 req/s x 3.6 s) would let 4 long prompts
+    go at once; routed together they prefill one after another, and at 0.4 s each only 2 make
+    a 1 s TTFT: the burst is 2 of them (2 x 1/3.6 shares: still the mean, 1.0)."""
+    c = Candidate(pod("a", "fast"), 0, None, None, None)
+    profile = dataclasses.replace(
+        long_and_short_profile(99), e2e=((0.35, 3.6),), ttft=((0.05, 0.4),)
+    )
+    long = fit(c, profile, RequestInfo(MODEL, prompt_tokens=4096), 32)
+    assert poisson_quantile(3.6, 0.99) > 2
+    assert long.consumption == pytest.approx(1 / 3.6) and burst_room(long) == 1.0
+    slow = dataclasses.replace(profile, ttft=((0.05, 0.6),))  # one at a time within 1 s
+    assert burst_room(fit(c, slow, RequestInfo(MODEL, prompt_tokens=4096), 32)) == 1.0
+    tight = long_and_short_profile(99, long_ttft=0.3)  # 3 prefill within 1 s
+    assert burst_room(fit(c, tight, RequestInfo(MODEL, prompt_tokens=4096), 32)) == pytest.approx(
+        2.4
+    )
+
+
 def test_pulling_routes_the_burst_a_p99_profile_absorbed_and_packing_does_not() -> None:
     """At 1 long prompt a second on average (m = 1.25 in flight), a Poisson stream has 4 in
     flight 1% of the time, and the profile met its p99 TTFT through that: `slo` routes 4 at
-    once (3.2 shares) and holds the fifth. Checked at the mean it holds the second."""
-    for percentile, routed in ((99, 4), (90, 3), (0, 1)):
-        profile = long_and_short_profile(percentile)
+    once (3.2 shares) and holds the fifth, if 4 prefill within the TTFT one after another (at
+    0.4 s each, 2 do). Checked at the mean it holds the second."""
+    for percentile, long_ttft, routed in ((99, 0.2, 4), (90, 0.2, 3), (99, 0.4, 2), (0, 0.2, 1)):
+        profile = long_and_short_profile(percentile, long_ttft)
         router, pool, clock, _ = setup(
             pod("a", "fast"), profiles={profile_key(MODEL, "fast"): profile}
         )

@@ -44,11 +44,13 @@ Strategies (never blended with others):
 
 - `slo-least-load-pulling` and `slo`: the least loaded pod with room; with none, the request
   waits at the gateway (most urgent first: waited + expected - target) until a lease ends and
-  frees room, or is rejected (503) as soon as its SLO can no longer be met. Room here is not
-  the mean occupancy (1.0) but the burst of the request's cell the profile's own measurement
-  went through (`burst_room`: the profile's percentile of the Poisson number of the cell's
-  requests in flight at its `tputs`, in shares), since holding at the mean refuses states the
-  engine served within the SLO when it was profiled;
+  frees room, or is rejected (503) as soon as its SLO can no longer be met. A request that
+  finds no pod below its mean occupancy (1.0) is not held yet: a pod still has room up to the
+  burst of the request's cell the profile's own measurement went through (`burst_room`: the
+  profile's percentile of the Poisson number of the cell's requests in flight at its `tputs`,
+  in shares), since holding at the mean refuses states the engine served within the SLO when
+  it was profiled. Pods below the mean come first, so where one has room the pick is as it
+  was;
 - `slo-least-load`: the least loaded pod that can serve the size, room ignored;
 - `slo-pack-load`: the fullest pod that still has room (fewer pods busy), of the GPU type that
   serves the request for the least (its profile's `cost` over the cell's rate, `SloFit.price`);
@@ -389,16 +391,9 @@ class SloStrategy(Strategy):
                     f"{waited:.2f} s"
                 )
             )
-        pulling = self.mode == "pulling"
-        room = [
-            f
-            for f in servable
-            if _has_room(
-                least_load(f),
-                f.consumption,
-                burst_room(f) if pulling else 1.0,
-            )
-        ]
+        room = [f for f in servable if _has_room(least_load(f), f.consumption)]
+        if not room and self.mode == "pulling":  # before holding it: a burst the profile took
+            room = [f for f in servable if _has_room(least_load(f), f.consumption, burst_room(f))]
         if self.mode == "least" or (self.mode == "pack" and not room):
             return _Choice(servable, fullest=False)
         if room and self.mode == "pack":  # the cheapest GPU type per request first
@@ -446,14 +441,24 @@ def burst_room(f: SloFit) -> float:
     """How full a pod may be, counted in shares and with the request in, for `slo` to route a
     request now rather than hold it: the burst of its cell the profile's own measurement went
     through, in shares (see `poisson_quantile`); at least 1.0, and 1.0 for a profile checked at
-    the mean (AIBrix's default, percentile 0)."""
+    the mean (AIBrix's default, percentile 0).
+
+    Under a TTFT SLO the burst is also at most as many of the cell's requests as prefill one
+    after another within it (the target over the cell's TTFT): the sweep's bursts were mostly
+    requests already decoding, while requests routed together all wait for each other's
+    prefill (two 4k prompts of 0.47 s each within a 1 s TTFT, not three)."""
     profile = f.profile
     if not 0 < profile.percentile < 100:
         return 1.0
     i, j = f.cell
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
     alone = profile.tputs[i][j] * (e2e if e2e > 0 and math.isfinite(e2e) else 1.0)
-    return max(1.0, poisson_quantile(alone, profile.percentile / 100.0) * f.consumption)
+    burst = poisson_quantile(alone, profile.percentile / 100.0)
+    target = profile.slos.get("ttft")
+    ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
+    if target is not None and ttft > 0 and math.isfinite(ttft):
+        burst = min(burst, max(1, math.floor(target / ttft)))
+    return max(1.0, burst * f.consumption)
 
 
 @functools.lru_cache(maxsize=4096)
