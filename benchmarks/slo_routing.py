@@ -106,7 +106,7 @@ def render(doc: dict[str, Any]) -> str:
         "leaves) instead of serving it late. Room is counted in shares of what the steady sweep "
         "found each GPU type sustains (a long prompt by what it costs inside the mix, "
         "`mix_tputs`), and a pod is full for `slo` at the burst of the request's cell its "
-        "profile went through (`burst_room`: two long prompts at once here), not at the mean; "
+        "profile went through (`burst_room`), not at the mean; "
         "with AIBrix's sweep (100 prompts a point, rates kept up "
         "within 0.9) `slo` rejected 21 of 203 requests of this mix. Figures vary from run to "
         "run by a few points (one machine, 2 cores).",

@@ -288,15 +288,16 @@ def test_a_pod_below_its_mean_comes_before_a_less_loaded_one_only_within_its_bur
 
 
 def test_a_burst_is_at_most_what_prefills_one_after_another_within_the_ttft() -> None:
-    """A p99 profile whose long cell had 4 in flight (1 req/s x 3.6 s) would let 4 long prompts
-    go at once; routed together they prefill one after another, and at 0.4 s each only 2 make
-    a 1 s TTFT: the burst is 2 of them (2 x 1/3.6 shares: still the mean, 1.0)."""
+    """A p99 profile whose long cell had 3.6 in flight on average (1 req/s x 3.6 s) went
+    through bursts of 9 (the Poisson quantile); routed together they prefill one after another,
+    and at 0.4 s each only 2 make a 1 s TTFT: the burst is 2 of them (2 x 1/3.6 shares: still
+    the mean, 1.0)."""
     c = Candidate(pod("a", "fast"), 0, None, None, None)
     profile = dataclasses.replace(
         long_and_short_profile(99), e2e=((0.35, 3.6),), ttft=((0.05, 0.4),)
     )
     long = fit(c, profile, RequestInfo(MODEL, prompt_tokens=4096), 32)
-    assert poisson_quantile(3.6, 0.99) > 2
+    assert poisson_quantile(3.6, 0.99) == 9
     assert long.consumption == pytest.approx(1 / 3.6) and burst_room(long) == 1.0
     slow = dataclasses.replace(profile, ttft=((0.05, 0.6),))  # one at a time within 1 s
     assert burst_room(fit(c, slow, RequestInfo(MODEL, prompt_tokens=4096), 32)) == 1.0

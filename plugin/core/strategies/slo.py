@@ -103,7 +103,7 @@ __all__ = [
 
 HISTORY_WINDOW_S = 240.0
 ROOM = 1.0 + 1e-9  # a pod is full at 1.0 (the epsilon absorbs float sums of consumptions)
-_EXACT_BELOW = 50.0  # Poisson means from here on take the normal approximation (`burst_room`)
+_EXACT_BELOW = 50.0  # Poisson means from here on take the normal approximation
 PRICE_TIE = 1.0 + 1e-9  # GPU types this close in price per request pack as one
 
 
@@ -256,11 +256,14 @@ def fit(
 def _share(profile: GpuProfile, i: int, j: int) -> float:
     """The share of a pod one request of cell (i, j) takes, by Little's law: a pod serves
     `mix_tputs x e2e` of them at once within the SLO (the rate as the cell counts inside a mix,
-    which is at least `tputs`); without an E2E grid, 1 s a request."""
-    rate = profile.mix_tputs[i][j]
+    which is at least `tputs`)."""
+    return 1.0 / (profile.mix_tputs[i][j] * _little_e2e(profile, i, j))
+
+
+def _little_e2e(profile: GpuProfile, i: int, j: int) -> float:
+    """The cell's E2E for Little's law (seconds): its grid's, or 1 s without a usable one."""
     e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
-    concurrency = rate * e2e if e2e > 0 and math.isfinite(e2e) else math.nan
-    return 1.0 / concurrency if concurrency > 0 else 1.0 / rate
+    return e2e if e2e > 0 and math.isfinite(e2e) else 1.0
 
 
 def _route(chosen: Candidate, best: SloFit, output_tokens: int, shrinks: bool = True) -> Route:
@@ -451,9 +454,9 @@ def burst_room(f: SloFit) -> float:
     if not 0 < profile.percentile < 100:
         return 1.0
     i, j = f.cell
-    e2e = profile.e2e[i][j] if profile.e2e is not None else math.nan
-    alone = profile.tputs[i][j] * (e2e if e2e > 0 and math.isfinite(e2e) else 1.0)
-    burst = poisson_quantile(alone, profile.percentile / 100.0)
+    burst = poisson_quantile(
+        profile.tputs[i][j] * _little_e2e(profile, i, j), profile.percentile / 100.0
+    )
     target = profile.slos.get("ttft")
     ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
     if target is not None and ttft > 0 and math.isfinite(ttft):
