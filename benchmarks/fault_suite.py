@@ -16,7 +16,9 @@ Scenarios (each on a fresh fleet, default wiring: ORIGINAL_DST, fail-closed, cou
   the traffic against its share with a good page, in the same run, and the failures;
 - requests of 90 to 100 header lines (Envoy's default limit is 100): their statuses;
 - 200 streams cancelled mid-way: how long until the plugin counts none in flight, and the
-  output tokens it credited against the engines' own counters.
+  output tokens it credited against the engines' own counters;
+- 3 plugin replicas sharing Redis behind one Envoy cluster, one killed -9 while generations
+  stream: how many are cut, and how long until every survivor counts none in flight.
 
     python benchmarks/fault_suite.py            # about 4 minutes on 2 cores
     python benchmarks/fault_suite.py --only hung-engine --repeat 10
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from plugin_tools.demo.fleet import EngineProc, FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.fleet import EngineProc, ExtraGateway, FleetSpec, LocalFleet, free_port
+from plugin_tools.demo.redis_server import RedisServer
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
 MODEL = "llama-3-8b"
@@ -483,6 +486,106 @@ async def cancelled_streams(tmp: Path, count: int = 200) -> Row:
     )
 
 
+async def _replica_fleet(
+    tmp: Path, redis: RedisServer, count: int, **spec: Any
+) -> tuple[LocalFleet, list[ExtraGateway]]:
+    """A fleet whose plugin is `count` replicas sharing `redis`, the first being the fleet's
+    own (its Envoy reaches that one alone); `start_extra_envoy` puts one Envoy over all."""
+    env = {"REDIS_HOST": redis.host, "REDIS_PORT": str(redis.port)}
+    fleet = _fleet(tmp, plugin_env={**env, "POD_NAME": "replica-0"}, **spec)
+    await fleet.start()
+    try:
+        replicas = [
+            await fleet.start_plugin_replica(f"replica-{i}", {"POD_NAME": f"replica-{i}"})
+            for i in range(1, count)
+        ]
+    except BaseException:
+        await fleet.stop()
+        raise
+    return fleet, replicas
+
+
+async def _all_replicas_envoy(fleet: LocalFleet, replicas: list[ExtraGateway]) -> str:
+    """An Envoy whose ext_proc cluster holds every replica; returns its URL."""
+    port = free_port()
+    grpc_ports = [fleet.grpc_port, *(r.grpc_port for r in replicas)]
+    opts = replace(
+        fleet.envoy_options(port, free_port()),
+        extproc_replicas=tuple(f"127.0.0.1:{p}" for p in grpc_ports),
+    )
+    await fleet.start_extra_envoy("replicas-envoy", opts)
+    return f"http://127.0.0.1:{port}"
+
+
+async def plugin_replicas(tmp: Path, count: int = 3) -> Row:
+    """`count` plugin replicas behind one Envoy cluster (Envoy spreads each request's routing
+    and counting streams over them on its own), long generations streaming, one replica killed
+    -9: how many are cut, and how long until every surviving replica counts none in flight
+    (its own and what the others publish); short requests keep arriving meanwhile."""
+    async with RedisServer() as redis:
+        fleet, replicas = await _replica_fleet(
+            tmp, redis, count, presets=("a100", "l20"), time_scale=3.0, tokens_per_chunk=1
+        )
+        try:
+            url = await _all_replicas_envoy(fleet, replicas)
+            victim, survivors = (
+                replicas[0],
+                [fleet.plugin_url, *(r.plugin_url for r in replicas[1:])],
+            )
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                t0 = time.monotonic()
+                streams = [
+                    asyncio.create_task(_one(session, url, _chat(200), t0)) for _ in range(12)
+                ]
+                load = asyncio.create_task(_offer(url, 8.0, 4.0, 16))
+                await asyncio.sleep(1.5)
+                assert victim.plugin is not None
+                victim.plugin.kill()
+                outcomes = await asyncio.gather(*streams)
+                short = await load
+                ended = time.monotonic()
+
+            async def idle() -> bool:
+                for plugin in survivors:
+                    local = await _metric_sum(plugin, "hetero_gateway_inflight_requests")
+                    remote = await _metric_sum(plugin, "hetero_gateway_remote_inflight_requests")
+                    if local or remote:
+                        return False
+                return True
+
+            freed = await _time_until(idle, 10.0)
+            freed_s = None if freed is None else time.monotonic() - ended
+            taken_over = 0
+            async with aiohttp.ClientSession() as session:
+                for plugin in survivors:
+                    async with session.get(f"{plugin}/debug/pods") as resp:
+                        taken_over += (await resp.json())["shared_state"]["counts_taken_over"]
+        finally:
+            await fleet.stop()
+    cut = sum(not o.complete for o in outcomes)
+    failed_short = sum(o.status != 200 for o in short)
+    met = cut == 0 and freed_s is not None
+    freed_text = "not within 10 s" if freed_s is None else f"{freed_s:.2f} s after the last"
+    return Row(
+        f"{count} plugin replicas behind one cluster, one killed -9",
+        len(outcomes) + len(short),
+        cut + failed_short,
+        cut=cut,
+        measure=f"{cut} of {len(outcomes)} generations cut; in flight at 0 on every survivor "
+        f"{freed_text}; {failed_short} of {len(short)} short requests failed",
+        target="0 cut, counts at 0",
+        met=met,
+        notes=[
+            f"{taken_over} counts taken over by a survivor whose counting stream got a request"
+            " routed by another replica (Redis carries the claim back)",
+            "short requests whose routing stream was on the killed replica when it died, or"
+            " reached it before Envoy ejected it, get a 503: Envoy fails the ext_proc stream"
+            " closed; the client may retry",
+        ],
+    )
+
+
 # --- report ------------------------------------------------------------------------------------
 
 
@@ -540,6 +643,7 @@ SCENARIOS = (
     "metrics-404",
     "many-headers",
     "cancelled-streams",
+    "plugin-replicas",
 )
 
 
@@ -554,6 +658,7 @@ async def _scenario(name: str, path: Path, huge_count: int) -> Row:
         "metrics-404": metrics_404,
         "many-headers": many_headers,
         "cancelled-streams": cancelled_streams,
+        "plugin-replicas": plugin_replicas,
     }
     return await runs[name](path)
 

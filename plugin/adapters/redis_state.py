@@ -11,7 +11,13 @@ waits for Redis. Each round trip:
   to its own counts when it scores candidates;
 - adds the output tokens counted since the previous round trip to per-pod counters shared by all
   gateways, and reads those counters back: the pool credits each counter's increase to its
-  capacity estimator, so every gateway learns from the whole fleet's output, not its own share.
+  capacity estimator, so every gateway learns from the whole fleet's output, not its own share;
+- hands requests over between gateways (`LeaseHandoff`): when a request's counting stream reached
+  this gateway and its routing stream another, this gateway holds its count and pushes a claim
+  to the routing gateway's list; it takes its own list in the same transaction and gives back
+  the leases claimed. A gateway reads another's new count and the claim that ends its own in one
+  round trip, so a request moving between gateways is never counted twice by either view for
+  longer than a sync period.
 
 Keys (a pod key is `namespace/name`; a gateway id is `POD_NAME`, or `POD_NAMESPACE/POD_NAME`,
 else the host name):
@@ -22,6 +28,9 @@ else the host name):
                                           expires TTL after its last sync
     hetero-gateway:tokens:<pod key>       integer: output tokens completed by the pod, counted by
                                           every gateway; expires after an hour without tokens
+    hetero-gateway:claims:<gateway id>    list: `IP:PORT request-id` of requests this gateway
+                                          routed whose count another gateway took over; emptied
+                                          by its owner at each sync, expires after 30 s
 
 The sorted set only lists whom to read (members not seen for five minutes are dropped); liveness
 is the hash's expiry, which Redis enforces with its own clock (7.0 has no per-field expiry, hence
@@ -43,8 +52,8 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -59,6 +68,7 @@ __all__ = [
     "INSTANCE_FIELD",
     "KEY_PREFIX",
     "RedisState",
+    "claims_key",
     "connect",
     "inflight_key",
     "tokens_key",
@@ -72,6 +82,7 @@ INSTANCE_FIELD = "~instance"  # never a pod key: those always hold a "/"
 TOKENS_TTL_S = 3600
 FORGET_GATEWAY_S = 300.0  # members silent this long leave the sorted set (clock skew margin)
 MAX_BACKOFF_S = 1.0
+CLAIMS_TTL_S = 30  # longer than a parked lease waits for its claim (10 s)
 REMINDER_S = 60.0  # while local-only, a reminder in the log at most this often
 
 
@@ -99,6 +110,36 @@ def tokens_key(pod_key: str) -> str:
     return f"{KEY_PREFIX}:tokens:{pod_key}"
 
 
+def claims_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}:claims:{gateway_id}"
+
+
+ClaimKey = tuple[str, str]  # (request id, IP:PORT of the pod)
+
+
+class Claims(Protocol):
+    """The requests handed over between gateways (`plugin.adapters.extproc.LeaseHandoff`)."""
+
+    def take_claims(self) -> dict[str, list[ClaimKey]]: ...
+
+    def return_claims(self, claims: dict[str, list[ClaimKey]]) -> None: ...
+
+    def claimed_elsewhere(self, keys: Iterable[ClaimKey]) -> int: ...
+
+    adopted: int
+    released_elsewhere: int
+
+
+def _claim_keys(entries: Any) -> list[ClaimKey]:
+    """The claims read back: `IP:PORT request-id` each (the request id may hold spaces)."""
+    keys: list[ClaimKey] = []
+    if isinstance(entries, list):
+        for entry in entries:
+            endpoint, _, request_id = str(entry).partition(" ")
+            keys.append((request_id, endpoint))
+    return keys
+
+
 def _int(value: Any) -> int | None:
     try:
         return int(value)
@@ -123,8 +164,10 @@ class RedisState:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         max_backoff_s: float = MAX_BACKOFF_S,
+        claims: Claims | None = None,
     ) -> None:
         self._pool = pool
+        self._claims = claims
         self.settings = settings
         self._clock = clock
         self._wall = wall_clock
@@ -160,6 +203,7 @@ class RedisState:
         pool = self._pool
         me = self.settings.gateway_id
         taken = pool.take_unpublished_tokens()
+        owed = {} if self._claims is None else self._claims.take_claims()
         pod_keys = [p.key for p in pool.pods()]
         local = {k: n for k in pod_keys if (n := pool.inflight(k)) > 0}
         others = [m for m in self._members if m != me]
@@ -190,19 +234,35 @@ class RedisState:
                     pipe.expire(tokens_key(key), TOKENS_TTL_S)
                 if pod_keys:
                     pipe.mget([tokens_key(k) for k in pod_keys])
+                if self._claims is not None:
+                    for origin, keys in owed.items():
+                        pipe.rpush(claims_key(origin), *(f"{ep} {rid}" for rid, ep in keys))
+                        pipe.expire(claims_key(origin), CLAIMS_TTL_S)
+                    pipe.lrange(claims_key(me), 0, -1)
+                    pipe.delete(claims_key(me))
                 replies = await pipe.execute()
+            if self._claims is not None:
+                # The claims come last: the replies before them keep their places.
+                self._claims.claimed_elsewhere(_claim_keys(replies[-2]))
+                replies = replies[: -2 - 2 * len(owed)]
             self._succeeded(replies, others, pod_keys)
         except asyncio.CancelledError:
-            pool.leave_shared_tokens(taken)
+            self._give_back(taken, owed)
             raise
         except (RedisError, OSError, TimeoutError) as exc:
-            await self._failed(exc, taken)
+            await self._failed(exc, taken, owed)
             return False
         except Exception as exc:  # a bug or an unexpected reply must not end the loop
             log.exception("shared state sync failed unexpectedly")
-            await self._failed(exc, taken)
+            await self._failed(exc, taken, owed)
             return False
         return True
+
+    def _give_back(self, taken: Mapping[str, int], owed: dict[str, list[ClaimKey]]) -> None:
+        """What a failed round trip did not deliver waits for the next one."""
+        self._pool.leave_shared_tokens(taken)
+        if self._claims is not None and owed:
+            self._claims.return_claims(owed)
 
     def _succeeded(self, replies: list[Any], others: list[str], pod_keys: list[str]) -> None:
         previous_instance = replies[0]
@@ -255,8 +315,10 @@ class RedisState:
                 self.settings.gateway_id,
             )
 
-    async def _failed(self, exc: BaseException, taken: Mapping[str, int]) -> None:
-        self._pool.leave_shared_tokens(taken)
+    async def _failed(
+        self, exc: BaseException, taken: Mapping[str, int], owed: dict[str, list[ClaimKey]]
+    ) -> None:
+        self._give_back(taken, owed)
         self.sync_errors_total += 1
         self.last_error = describe_error(exc)
         now = self._clock()
@@ -309,6 +371,7 @@ class RedisState:
         """Leave the shared view at once (best effort): remove this gateway's entry and publish
         the tokens counted since the last sync; then close the connection."""
         taken = self._pool.take_unpublished_tokens()
+        owed = {} if self._claims is None else self._claims.take_claims()
         me = self.settings.gateway_id
         if self._client is not None and self.up:
             with contextlib.suppress(Exception):
@@ -319,6 +382,9 @@ class RedisState:
                     for key, tokens in taken.items():
                         pipe.incrby(tokens_key(key), tokens)
                         pipe.expire(tokens_key(key), TOKENS_TTL_S)
+                    for origin, keys in owed.items():
+                        pipe.rpush(claims_key(origin), *(f"{ep} {rid}" for rid, ep in keys))
+                        pipe.expire(claims_key(origin), CLAIMS_TTL_S)
                     await pipe.execute()
         self.up = False
         await self._drop_client()
@@ -335,4 +401,7 @@ class RedisState:
             "last_sync_age_s": age,
             "sync_errors_total": self.sync_errors_total,
             "last_error": self.last_error,
+            # Requests whose counting stream reached another gateway than their routing stream.
+            "counts_taken_over": None if self._claims is None else self._claims.adopted,
+            "counts_handed_over": None if self._claims is None else self._claims.released_elsewhere,
         }

@@ -171,6 +171,8 @@ class Gateway:
             if not settings.auth_bearer_token
             else BearerToken(settings.auth_bearer_token),
             lock=HeaderLock(settings.client_headers, settings.denied_header_action),
+            # Without Redis replicas cannot hand counts over: no name, no lease header to take.
+            gateway_id="" if settings.redis is None else settings.redis.gateway_id,
         )
         self.scraper = MetricsScraper(
             self.pool,
@@ -182,7 +184,7 @@ class Gateway:
         if settings.redis is not None:
             from plugin.adapters.redis_state import RedisState
 
-            self.shared = RedisState(self.pool, settings.redis)
+            self.shared = RedisState(self.pool, settings.redis, claims=self.servicer.handoff)
         self.profile_loader: ProfileLoader | None = None
         if settings.profile_dir is not None:
             self.profile_loader = DirectoryProfiles(

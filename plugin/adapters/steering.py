@@ -8,6 +8,10 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 # The routing filter tells the counting filter the request's estimated prompt size, so a counted
 # response teaches the output-length history (SLO routing) what size of request it answered.
 PROMPT_TOKENS_HEADER = "x-hetero-gateway-prompt-tokens"
+# Pick only: the routing filter tells the counting filter whose lease the request holds (the
+# routing replica's gateway id) and its share of the pod, so a counting stream that reaches
+# another plugin replica can take the count over (`plugin.adapters.extproc.tokens.LeaseHandoff`).
+LEASE_HEADER = "x-hetero-gateway-lease"
 # Dynamic metadata on the plugin's own error replies: Envoy's local-reply mappers, which turn
 # Envoy's own error texts into OpenAI JSON, leave a reply that carries it as the plugin wrote it.
 REPLY_METADATA_NAMESPACE = "hetero_gateway"

@@ -176,8 +176,9 @@ AUTH_BEARER_TOKEN: Var[str | None] = Var(
     " (compared in constant time; never logged).",
 )
 # Envoy's own default `max_headers_count`, and the room above it for the headers routing adds
-# (at most 7: target-pod, the destination and prompt-size headers, routing-strategy, x-request-id,
-# the profile echo, content-length), with room to spare for what Envoy itself adds before it.
+# (at most 8: target-pod, the destination, prompt-size and lease headers, routing-strategy,
+# x-request-id, the profile echo, content-length), with room to spare for what Envoy itself adds
+# before it.
 ENVOY_DEFAULT_MAX_HEADERS = 100
 ROUTING_HEADER_ROOM = 16
 MAX_REQUEST_HEADERS: Var[int] = Var(

@@ -300,6 +300,18 @@ class LocalFleet:
         await self._wait_http(f"{name}-envoy", gw.envoy, f"http://127.0.0.1:{gw.admin_port}/ready")
         return gw
 
+    async def start_plugin_replica(self, name: str, plugin_env: dict[str, str]) -> ExtraGateway:
+        """Another plugin over the same engines and pods file, with `plugin_env` on top of the
+        spec's and no Envoy of its own: put it behind one with `EnvoyOptions.extproc_replicas`
+        (`start_extra_envoy`). Replicas must share Redis (REDIS_HOST, a POD_NAME each)."""
+        gw = ExtraGateway(name, free_port(), free_port(), 0, 0)
+        self.extra_gateways.append(gw)  # before the wait: a failed start is stopped too
+        gw.plugin = await self._spawn_plugin(
+            f"{name}-plugin", gw.grpc_port, gw.http_port, plugin_env
+        )
+        await self._wait_http(f"{name}-plugin", gw.plugin, f"{gw.plugin_url}/readyz")
+        return gw
+
     def envoy_options(self, listen_port: int, admin_port: int) -> EnvoyOptions:
         """The fleet's Envoy options (plugin address, fail mode, count mode) on other ports."""
         return EnvoyOptions(

@@ -210,6 +210,24 @@ def test_ext_proc_cluster_address(host: str, kind: str) -> None:
     assert endpoint["address"]["socket_address"] == {"address": host, "port_value": 50052}
 
 
+def test_plugin_replicas_share_one_health_checked_cluster() -> None:
+    """Several replicas: one endpoint each, gRPC health checks (a draining replica says
+    NOT_SERVING), a refused connection ejects at once; one plugin gets neither."""
+    replicas = ("10.0.0.1:50052", "10.0.0.2:50053")
+    ext = _cluster(render_bootstrap(EnvoyOptions(extproc_replicas=replicas)), ec.EXT_PROC_CLUSTER)
+    endpoints = ext["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in endpoints]
+    assert addresses == [
+        {"address": "10.0.0.1", "port_value": 50052},
+        {"address": "10.0.0.2", "port_value": 50053},
+    ]
+    assert ext["type"] == "STATIC"
+    assert ext["health_checks"][0]["grpc_health_check"] == {}
+    assert ext["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    single = _cluster(render_bootstrap(EnvoyOptions()), ec.EXT_PROC_CLUSTER)
+    assert "health_checks" not in single and "outlier_detection" not in single
+
+
 @pytest.mark.parametrize(
     ("seconds", "text"),
     [(60.0, "60s"), (0.2, "0.2s"), (0.0, "0s"), (1.5, "1.5s"), (1e-12, "0s")],
@@ -232,6 +250,7 @@ def test_durations(seconds: float, text: str) -> None:
         {"steering": "override-host"},
         {"steering": "override-host", "endpoints": ("engine-0:8000",)},
         {"endpoints": ("10.0.0.1",)},
+        {"extproc_replicas": ("plugin-0:50052",)},
     ],
     ids=[
         "listen-host-not-ip",
@@ -244,6 +263,7 @@ def test_durations(seconds: float, text: str) -> None:
         "override-host-without-endpoints",
         "endpoint-not-ip",
         "endpoint-without-port",
+        "replica-not-ip",
     ],
 )
 def test_bad_options_are_rejected_early(kwargs: dict[str, Any]) -> None:
@@ -298,8 +318,9 @@ def test_one_command_writes_every_wiring(tmp_path: Path) -> None:
             steering="override-host",
             endpoints=("10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000"),
         ),
+        EnvoyOptions(extproc_replicas=("10.0.0.1:50052", "10.0.0.2:50052", "[fd00::3]:50052")),
     ],
-    ids=["defaults", "other-ports-dns-64MiB", "override-host"],
+    ids=["defaults", "other-ports-dns-64MiB", "override-host", "plugin-replicas"],
 )
 def test_envoy_accepts_rendering(opts: EnvoyOptions, tmp_path: Path, envoy_binary: str) -> None:
     path = tmp_path / "envoy.yaml"

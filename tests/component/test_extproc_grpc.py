@@ -33,11 +33,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugin.adapters.discovery import PodsCallback, StaticFileSource, load_pods_file
 from plugin.adapters.extproc import DEFAULT_MAX_HEADERS
 from plugin.adapters.serve import Gateway
-from plugin.adapters.steering import PROMPT_TOKENS_HEADER
+from plugin.adapters.steering import LEASE_HEADER, PROMPT_TOKENS_HEADER
 from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import Admission, Route, Strategy, Wait, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
-from tests.helpers import StartGateway, eventually, gateway_settings, header_map, write_pods_file
+from tests.helpers import (
+    StartGateway,
+    eventually,
+    gateway_settings,
+    header_map,
+    redis_env,
+    write_pods_file,
+)
 
 pytestmark = pytest.mark.component
 
@@ -63,6 +70,7 @@ HEADERS_CONTINUE = pb.ProcessingResponse(
                     "x-gateway-destination-endpoint",
                     "x-hetero-gateway-prompt-tokens",
                     "x-aibrix-config-profile",
+                    "x-hetero-gateway-lease",
                 ]
             )
         )
@@ -1411,6 +1419,67 @@ async def test_a_lease_no_counting_stream_claims_is_given_back(running: Running)
     assert pool.inflight(key) == 1
     await eventually(lambda: pool.inflight(key) == 0, "the parked lease to expire")
     assert running.gateway.servicer.handoff.expired == 1
+
+
+async def test_without_shared_state_a_lease_header_is_never_taken_over(running: Running) -> None:
+    """A gateway without Redis names no replica in its lease headers, and takes over no count a
+    header names: the counting stream of a request whose parked lease is gone (here: one a
+    client made up) credits tokens and holds nothing."""
+    pool = running.gateway.pool
+    headers = await _pick_headers(running, "req-own")
+    assert headers[LEASE_HEADER].decode().startswith(";")  # no gateway name
+    endpoint = headers["target-pod"].decode()
+    key = running.key_of(endpoint)
+    made_up = {"target-pod": endpoint.encode(), LEASE_HEADER: b"gw-elsewhere;1;1"}
+    call = running.stub.Process(iter(_counting(endpoint, "req-other", 200, 4, made_up)))
+    async with asyncio.timeout(WAIT_S):
+        assert [r async for r in call] == []
+    await eventually(lambda: pool.output_tokens_total(key) == 4, "the tokens")
+    assert pool.inflight(key) == 1  # the parked lease of req-own, nothing more
+    assert running.gateway.servicer.handoff.adopted == 0
+
+
+async def test_a_count_moves_to_the_replica_whose_counting_stream_has_the_request(
+    tmp_path: Path, reserve_port: Callable[[], int], redis_server: Any, start_gateway: StartGateway
+) -> None:
+    """Two plugin replicas sharing Redis: the routing stream on one, the counting stream on the
+    other. The second takes the count over (in flight on its pod with the share the lease header
+    named, ended with the response's tokens); the first gives its parked lease back when the
+    claim arrives through Redis, not at the handoff's 10 s expiry; every view ends at 0."""
+    pods = [Pod(n, "default", MODEL, "127.0.0.1", reserve_port(), 0) for n in ("a", "b")]
+    pods_file = write_pods_file(tmp_path / "pods.yaml", pods)
+    shared = {**SETTINGS_ENV, "HETERO_GATEWAY_REDIS_SYNC_MS": "50"}
+    first = await start_gateway(pods_file, {**shared, **redis_env(redis_server, "gw-1")})
+    second = await start_gateway(pods_file, {**shared, **redis_env(redis_server, "gw-2")})
+    async for one in _connected(first, pods_file):
+        async for two in _connected(second, pods_file):
+            await _hand_over(one, two)
+
+
+async def _hand_over(one: Running, two: Running) -> None:
+    """The routing stream on `one`, the counting stream on `two` (both sharing Redis)."""
+    first, second = one.gateway, two.gateway
+    headers = await _pick_headers(one, "req-x")
+    assert headers[LEASE_HEADER].decode().startswith("gw-1;")
+    endpoint = headers["target-pod"].decode()
+    key = one.key_of(endpoint)
+    counting = _counting(endpoint, "req-x", 200, 9, headers)
+    call = two.stub.Process()
+    for message in counting[:-1]:  # the response is still streaming
+        await call.write(message)
+    await eventually(lambda: second.servicer.handoff.adopted == 1, "gw-2 to take over")
+    assert second.pool.inflight(key) == 1
+    await eventually(lambda: first.pool.inflight(key) == 0, "the claim to reach gw-1")
+    assert first.servicer.handoff.released_elsewhere == 1
+    assert first.servicer.handoff.expired == 0
+    await eventually(lambda: first.pool.remote_inflight(key) == 1, "gw-2's count in gw-1")
+    await call.write(counting[-1])
+    await call.done_writing()
+    async with asyncio.timeout(WAIT_S):
+        assert await call.read() is grpc.aio.EOF  # no reply: observability mode
+    await eventually(lambda: second.pool.inflight(key) == 0, "the adopted count to end")
+    await eventually(lambda: first.pool.remote_inflight(key) == 0, "gw-1's view at 0")
+    assert second.pool.output_tokens_total(key) == 9
 
 
 async def test_a_5xx_seen_by_the_counting_stream_counts_toward_ejection(running: Running) -> None:

@@ -13,8 +13,9 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -89,7 +90,9 @@ class Member:
 async def members(redis_server: RedisServer) -> AsyncIterator[Callable[..., Member]]:
     made: list[Member] = []
 
-    def make(gateway_id: str, ttl_s: float = TTL_S, sync_s: float = SYNC_S) -> Member:
+    def make(
+        gateway_id: str, ttl_s: float = TTL_S, sync_s: float = SYNC_S, claims: Any = None
+    ) -> Member:
         estimator = CapacityEstimator()
         pool = PodPool(estimator)
         pool.set_pods([X, Y])
@@ -100,7 +103,8 @@ async def members(redis_server: RedisServer) -> AsyncIterator[Callable[..., Memb
             sync_interval_s=sync_s,
             ttl_s=ttl_s,
         )
-        member = Member(pool, estimator, RedisState(pool, settings, max_backoff_s=0.2))
+        state = RedisState(pool, settings, max_backoff_s=0.2, claims=claims)
+        member = Member(pool, estimator, state)
         made.append(member)
         return member
 
@@ -285,6 +289,62 @@ async def test_paused_redis_is_local_only_then_shared_again(
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     await eventually(lambda: a.state.up and a.pool.remote_inflight(X.key) == 2, "shared again")
+
+
+class ClaimBook:
+    """One gateway's side of the handover (what `LeaseHandoff` keeps): claims it owes others,
+    and the claims others sent it."""
+
+    def __init__(self) -> None:
+        self.owed: dict[str, list[tuple[str, str]]] = {}
+        self.received: list[tuple[str, str]] = []
+        self.adopted = self.released_elsewhere = 0
+
+    def take_claims(self) -> dict[str, list[tuple[str, str]]]:
+        owed, self.owed = self.owed, {}
+        return owed
+
+    def return_claims(self, claims: dict[str, list[tuple[str, str]]]) -> None:
+        for origin, keys in claims.items():
+            self.owed.setdefault(origin, [])[:0] = keys
+
+    def claimed_elsewhere(self, keys: Iterable[tuple[str, str]]) -> int:
+        got = list(keys)
+        self.received += got
+        return len(got)
+
+
+async def test_claims_reach_their_gateway_and_survive_a_paused_redis(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    """A claim (a request whose count another gateway took over) reaches the gateway that
+    routed it, request ids with spaces intact, once; one owed while Redis does not answer is
+    kept and delivered when it answers again."""
+    book_a, book_b = ClaimBook(), ClaimBook()
+    a, b = members("gw-a", claims=book_a), members("gw-b", claims=book_b)
+    a.start()
+    b.start()
+    await eventually(lambda: a.state.up and b.state.up, "both gateways shared")
+    book_b.owed["gw-a"] = [("req 1", "127.0.0.1:8001"), ("req-2", "127.0.0.1:8002")]
+    await eventually(lambda: len(book_a.received) == 2, "the claims at gw-a")
+    assert book_a.received == [("req 1", "127.0.0.1:8001"), ("req-2", "127.0.0.1:8002")]
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: not b.state.up, "gw-b local-only")
+        book_b.owed["gw-a"] = [("req-3", "127.0.0.1:8001")]
+        failed = b.state.sync_errors_total + 2  # each failed round trip gives the claim back
+
+        def given_back() -> bool:
+            kept = book_b.owed == {"gw-a": [("req-3", "127.0.0.1:8001")]}
+            return b.state.sync_errors_total >= failed and kept
+
+        await eventually(given_back, "the claim kept through two failed round trips")
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await eventually(lambda: len(book_a.received) == 3, "the kept claim at gw-a")
+    assert book_a.received[-1] == ("req-3", "127.0.0.1:8001") and not book_b.owed
+    assert b.state.status()["counts_taken_over"] == 0  # the book's own counter, passed through
 
 
 async def test_unreachable_redis_at_start_is_local_only(members: Callable[..., Member]) -> None:

@@ -41,6 +41,7 @@ _FLAGS: dict[str, str] = {
     "count_mode": "--count-mode",
     "steering": "--steering",
     "endpoints": "--endpoints",
+    "extproc_replicas": "--extproc-replicas",
 }
 
 
@@ -58,6 +59,14 @@ def register_cli(subparsers: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--admin-port", type=int, default=d.admin_port, help="Envoy admin port")
     p.add_argument("--extproc-host", default=d.extproc_host, help="plugin gRPC host (IP or name)")
     p.add_argument("--extproc-port", type=int, default=d.extproc_port, help="plugin gRPC port")
+    p.add_argument(
+        "--extproc-replicas",
+        default="",
+        metavar="IP:PORT,...",
+        help="several plugin replicas (sharing Redis) instead of --extproc-host/--extproc-port: "
+        "Envoy spreads streams over them, health-checks them over gRPC and ejects one that "
+        "refuses connections",
+    )
     p.add_argument(
         "--message-timeout",
         type=float,
@@ -143,6 +152,10 @@ def _max_request_headers_from_env() -> int:
         raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None
 
 
+def _list(text: str) -> tuple[str, ...]:
+    return tuple(e.strip() for e in text.split(",") if e.strip())
+
+
 def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
     """EnvoyOptions from parsed flags; the env vars supply --max-request-bytes when absent and
     the header count limit (the plugin reads the same variables)."""
@@ -165,7 +178,8 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
             count_mode=args.count_mode,
             upstream_connect_timeout_s=args.upstream_connect_timeout,
             steering=args.steering,
-            endpoints=tuple(e.strip() for e in args.endpoints.split(",") if e.strip()),
+            endpoints=_list(args.endpoints),
+            extproc_replicas=_list(args.extproc_replicas),
         )
     except ValueError as exc:
         raise SystemExit(f"hetero-gateway envoy-config: {exc}") from None

@@ -116,6 +116,11 @@ class EnvoyOptions:
     steering: str = "original-dst"
     # IP:PORT of every engine, for the override-host cluster (it can only pick its members).
     endpoints: tuple[str, ...] = ()
+    # IP:PORT of each plugin replica, in place of extproc_host/extproc_port: one cluster over
+    # all of them, checked by gRPC health and ejected on a refused connection. The replicas
+    # share state through Redis, which hands a request over when its two streams reach
+    # different replicas.
+    extproc_replicas: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.count_mode not in COUNT_MODES:
@@ -131,7 +136,7 @@ class EnvoyOptions:
                 " Fail closed (the default), or fail open with --steering override-host"
                 " --endpoints ..., which can only pick the listed engines"
             )
-        for endpoint in self.endpoints:
+        for endpoint in (*self.endpoints, *self.extproc_replicas):
             _split_endpoint(endpoint)
         for name in ("listen_host", "admin_host"):
             host = getattr(self, name)

@@ -179,9 +179,37 @@ def _override_host_cluster(opts: EnvoyOptions) -> dict[str, Any]:
     }
 
 
+def _replica_checks() -> dict[str, Any]:
+    """Several plugin replicas: each is asked for its gRPC health every second (a draining or
+    not yet ready replica says NOT_SERVING and gets no new stream), and one that refuses a
+    connection (killed) is ejected at once, before its next check, for 5 s at a time; never
+    more than half of them, so a fleet-wide blip does not empty the cluster."""
+    return {
+        "health_checks": [
+            {
+                "timeout": _duration(0.5),
+                "interval": _duration(1.0),
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ],
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "enforcing_consecutive_local_origin_failure": 100,
+            "interval": _duration(1.0),
+            "base_ejection_time": _duration(5.0),
+            "max_ejection_percent": 50,
+        },
+    }
+
+
 def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
+    replicas = [_split_endpoint(e) for e in opts.extproc_replicas]
+    addresses = replicas or [(opts.extproc_host, opts.extproc_port)]
     # An IP is STATIC; a name (a Kubernetes Service, a compose host) needs DNS.
-    kind = "STATIC" if _is_ip(opts.extproc_host) else "STRICT_DNS"
+    kind = "STATIC" if all(_is_ip(host) for host, _ in addresses) else "STRICT_DNS"
     # A full-size request body must fit in one stream window with room for the gRPC framing, and
     # several such messages must fit in the shared connection window: never wait on WINDOW_UPDATE
     # for one message. (Also Envoy's per-stream buffer soft limit.)
@@ -197,15 +225,13 @@ def _ext_proc_cluster(opts: EnvoyOptions) -> dict[str, Any]:
             "endpoints": [
                 {
                     "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": _socket_address(opts.extproc_host, opts.extproc_port)
-                            }
-                        }
+                        {"endpoint": {"address": _socket_address(host, port)}}
+                        for host, port in addresses
                     ]
                 }
             ],
         },
+        **(_replica_checks() if replicas else {}),
         # gRPC needs HTTP/2 (the default upstream protocol is HTTP/1.1).
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {

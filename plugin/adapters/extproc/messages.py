@@ -14,6 +14,7 @@ from google.protobuf import struct_pb2
 from plugin.adapters.steering import (
     CONFIG_PROFILE_HEADER,
     DESTINATION_HEADER,
+    LEASE_HEADER,
     PROFILE_ECHO_HEADER,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
@@ -62,12 +63,13 @@ _STEERING_HEADERS = (
     DESTINATION_HEADER,
     PROMPT_TOKENS_HEADER,
     PROFILE_ECHO_HEADER,
+    LEASE_HEADER,
 )
 _STEERING_SET = frozenset(_STEERING_HEADERS)
-# Headers a routed request always gets (the steering ones but the profile echo); `routing-strategy`
-# and `x-request-id` are added too when the client did not send them, and the profile echo when it
-# asked for a profile.
-_ALWAYS_ADDED = len(_STEERING_HEADERS) - 1
+# Headers a routed request always gets (the steering ones but the profile echo and the lease);
+# `routing-strategy` and `x-request-id` are added too when the client did not send them, the
+# profile echo when it asked for a profile, the lease where the routing stream only picks.
+_ALWAYS_ADDED = len(_STEERING_HEADERS) - 2
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(

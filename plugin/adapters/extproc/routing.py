@@ -15,6 +15,7 @@ from plugin.adapters.steering import (
     CONFIG_PROFILE_HEADER,
     DESTINATION_HEADER,
     LB_METADATA_NAMESPACE,
+    LEASE_HEADER,
     PROFILE_ECHO_HEADER,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
@@ -190,6 +191,7 @@ class RoutingProcessor:
             + ("routing-strategy" not in headers)
             + ("x-request-id" not in headers)
             + (CONFIG_PROFILE_HEADER in headers)
+            + (self._handoff is not None)
         )
         count = len(msg.headers.headers)
         if count - steering + added > self._max_headers:
@@ -296,6 +298,9 @@ class RoutingProcessor:
                 _header(PROMPT_TOKENS_HEADER, str(decision.request.prompt_tokens)),
             ]
         )
+        if self._handoff is not None:
+            lease = self._handoff.lease_header(decision.lease)
+            mutation.set_headers.append(_header(LEASE_HEADER, lease))
         if self._profile is not None:
             mutation.set_headers.append(_header(PROFILE_ECHO_HEADER, self._profile))
         metadata = struct_pb2.Struct()

@@ -38,11 +38,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         tracer: TraceRecorder | None = None,
         auth: BearerToken | None = None,
         lock: HeaderLock | None = None,
+        gateway_id: str = "",
     ) -> None:
         """`tracer`, when tracing is on, hears of every request's arrival, routing, end and
         reported size (a dict increment each); `auth`, when set, is the bearer token every
         request must carry (AIBRIX_AUTH_BEARER_TOKEN); `lock`, the routing headers clients may
-        not send (HETERO_GATEWAY_CLIENT_HEADERS)."""
+        not send (HETERO_GATEWAY_CLIENT_HEADERS); `gateway_id`, this replica's name in lease
+        headers (`LeaseHandoff`)."""
         self.router = router
         self.auth = auth
         self.lock = lock or HeaderLock()
@@ -54,7 +56,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         timeout = duration_pb2.Duration()
         timeout.FromMilliseconds(round(hold_timeout_s * 1000))
         self._hold_notice = pb.ProcessingResponse(override_message_timeout=timeout)
-        self.handoff = LeaseHandoff(router, tracer=tracer)
+        self.handoff = LeaseHandoff(router, tracer=tracer, gateway_id=gateway_id)
 
     def processor_for(
         self, first: pb.ProcessingRequest, pick_only: bool = False, strips_usage: bool = False

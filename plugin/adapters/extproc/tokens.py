@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Decision, Router
+from plugin.core.types import Pod
 from plugin.core.usage import Usage, UsageScanner
 
 if TYPE_CHECKING:  # imported by `serve` only when tracing is on
@@ -183,6 +184,11 @@ class Processor(Protocol):
 # How long a parked lease waits for its counting stream, which starts a moment after the pick;
 # one never claimed (no counting filter after all) is given back then.
 HANDOFF_TIMEOUT_S = 10.0
+# Bounds on what a lease header may say, and on the claims owed to one gateway between syncs
+# (a gateway away for long loses the oldest; their parked leases expire instead).
+MAX_GATEWAY_ID = 256
+MAX_LEASE_LOAD = 1e6
+MAX_CLAIMS = 100_000
 
 _HandoffKey: TypeAlias = tuple[str, str]  # (request id, IP:PORT of the pod)
 
@@ -193,24 +199,52 @@ class LeaseHandoff:
     Keyed by request id and pod endpoint (both in the counting stream's request headers, set by
     the routing filter); two concurrent requests with the same client-sent id on the same pod
     hold interchangeable leases, so a queue per key is exact enough.
+
+    Several plugin replicas behind one Envoy cluster: the counting stream may reach another
+    replica than the routing stream. That replica finds nothing parked, so it takes the count
+    over (`adopt`: a lease of its own, with the share the routing replica named in the lease
+    header) and owes the routing replica a claim; the shared-state sync carries claims through
+    Redis (`take_claims`), and the routing replica gives its parked lease back when its claims
+    arrive (`claimed_elsewhere`). The count then moves from one replica's published counts to
+    the other's in one sync, never counted twice for longer than a sync period.
     """
 
-    __slots__ = ("_parked", "_router", "_timeout_s", "_tracer", "expired")
+    __slots__ = (
+        "_claims",
+        "_parked",
+        "_router",
+        "_timeout_s",
+        "_tracer",
+        "adopted",
+        "expired",
+        "gateway_id",
+        "released_elsewhere",
+    )
 
     def __init__(
         self,
         router: Router,
         timeout_s: float = HANDOFF_TIMEOUT_S,
         tracer: TraceRecorder | None = None,
+        gateway_id: str = "",
     ) -> None:
         self._router = router
         self._timeout_s = timeout_s
         self._tracer = tracer
+        self.gateway_id = gateway_id
         self._parked: dict[_HandoffKey, list[tuple[Decision, asyncio.TimerHandle]]] = {}
+        self._claims: dict[str, list[_HandoffKey]] = {}  # routing gateway -> leases taken over
         self.expired = 0
+        self.adopted = 0  # counts taken over from another replica's routing stream
+        self.released_elsewhere = 0  # parked leases another replica's counting stream took
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._parked.values())
+
+    def lease_header(self, lease: Lease) -> str:
+        """The lease header's value: this gateway and the lease's share of its pod (a gateway
+        without a name, one without shared state, writes one no other replica takes over)."""
+        return f"{self.gateway_id};{lease.load:.6g};{lease.streaming_load:.6g}"
 
     def park(self, key: _HandoffKey, decision: Decision) -> None:
         timer = asyncio.get_running_loop().call_later(self._timeout_s, self._expire, key, decision)
@@ -226,6 +260,50 @@ class LeaseHandoff:
             del self._parked[key]
         return decision
 
+    def adopt(self, pod: Pod, header: str, key: _HandoffKey, prompt_tokens: int) -> Lease | None:
+        """A counting stream found no parked lease: when the lease header names another
+        gateway, hold the request's count here (and owe that gateway a claim). None when it
+        names this one (the lease expired, or was claimed already) or cannot be read, and on a
+        gateway without shared state, which could never send the claim."""
+        parsed = parse_lease_header(header)
+        if parsed is None or parsed[0] == self.gateway_id or not self.gateway_id:
+            return None
+        origin, load, streaming_load = parsed
+        lease = self._router.pool.acquire(pod, load, prompt_tokens, streaming_load)
+        claims = self._claims.get(origin)
+        if claims is None:
+            claims = self._claims[origin] = []
+        if len(claims) < MAX_CLAIMS:
+            claims.append(key)
+        self.adopted += 1
+        return lease
+
+    def take_claims(self) -> dict[str, list[_HandoffKey]]:
+        """The claims owed since the last call, by routing gateway (the sync sends them)."""
+        claims, self._claims = self._claims, {}
+        return claims
+
+    def return_claims(self, claims: dict[str, list[_HandoffKey]]) -> None:
+        """A sync that failed gives its claims back for the next one."""
+        for origin, keys in claims.items():
+            mine = self._claims.setdefault(origin, [])
+            mine[:0] = keys[: max(0, MAX_CLAIMS - len(mine))]
+
+    def claimed_elsewhere(self, keys: Iterable[_HandoffKey]) -> int:
+        """Another replica's counting stream took these requests over: give back their parked
+        leases (its counting credits the tokens). Returns how many were still parked."""
+        now = self._router.now()
+        released = 0
+        for key in keys:
+            decision = self.claim(key)
+            if decision is None:
+                continue  # expired meanwhile, or a key seen twice
+            released += 1
+            if decision.lease.release(0, 0, now) and self._tracer is not None:
+                self._tracer.ended(decision.request.model, decision.request.arrived_at)
+        self.released_elsewhere += released
+        return released
+
     def _expire(self, key: _HandoffKey, decision: Decision) -> None:
         queue = self._parked.get(key, [])
         for i, (parked, _) in enumerate(queue):
@@ -239,7 +317,22 @@ class LeaseHandoff:
             self._tracer.ended(decision.request.model, decision.request.arrived_at)
         log.warning(
             "no counting stream claimed request %s within %.0f s: its in-flight slot is given "
-            "back (is the counting filter configured after the routing filter?)",
+            "back (is the counting filter configured after the routing filter? with several "
+            "plugin replicas, is Redis shared by all of them?)",
             key[0],
             self._timeout_s,
         )
+
+
+def parse_lease_header(value: str) -> tuple[str, float, float] | None:
+    """`gateway;load;streaming load` (`LeaseHandoff.lease_header`); None when malformed."""
+    parts = value.split(";")
+    if len(parts) != 3 or not parts[0] or len(parts[0]) > MAX_GATEWAY_ID:
+        return None
+    try:
+        load, streaming_load = float(parts[1]), float(parts[2])
+    except ValueError:
+        return None
+    if not (0.0 <= load <= MAX_LEASE_LOAD and 0.0 <= streaming_load <= MAX_LEASE_LOAD):
+        return None  # NaN fails both comparisons
+    return parts[0], load, streaming_load
