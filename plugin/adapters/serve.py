@@ -238,8 +238,9 @@ class Gateway:
                 # Room for the ProcessingRequest envelope around a body of exactly `limit` bytes.
                 ("grpc.max_receive_message_length", min(limit + 64 * 1024, 2**31 - 1)),
                 ("grpc.max_send_message_length", limit),
-                # A second gateway on a busy port must fail, not silently share the streams.
-                ("grpc.so_reuseport", 0),
+                # A second gateway on a busy port must fail, not silently share the streams;
+                # `serve --workers N` shares it on purpose (plugin.adapters.workers).
+                ("grpc.so_reuseport", int(self.settings.workers > 1)),
                 ("grpc.max_concurrent_streams", 100000),
                 # gRPC grows a connection's read buffer to the largest message it read (up to
                 # 4 MiB) and keeps it; a 4 MB body then pins 4 MB per connection for good.

@@ -16,6 +16,8 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
     # --pods, --discovery, --grpc-port, --http-port: declared with their variables.
     for var in flag_vars(COMMAND):
         var.add_flag(p)
+    # Set by `--workers N`'s supervisor on the processes it starts (plugin.adapters.workers).
+    p.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -29,10 +31,15 @@ def run(args: argparse.Namespace) -> int:
     from plugin.config import flag_overrides, load_settings
 
     # A flag is its variable's value: the same validation and the same error for both.
-    settings = load_settings({**os.environ, **flag_overrides(COMMAND, args)})
+    env = {**os.environ, **flag_overrides(COMMAND, args)}
+    settings = load_settings(env)
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if settings.workers > 1 and args.worker_index is None:
+        from plugin.adapters.workers import supervise
+
+        return supervise(settings, env, args.host)
     return_large_buffers_to_the_os()
     source = build_source(settings)
     main = run_until_signal(Gateway(settings, source, args.host))

@@ -104,6 +104,7 @@ from plugin.config.variables import (
     SCRAPE_TIMEOUT_MS,
     SLO_MAX_WAIT_MS,
     TRACING,
+    WORKERS,
     flag_overrides,
     flag_vars,
 )
@@ -170,6 +171,7 @@ __all__ = [
     "SCRAPE_TIMEOUT_MS",
     "SLO_MAX_WAIT_MS",
     "TRACING",
+    "WORKERS",
     "Bool",
     "Caps",
     "Choice",

@@ -62,6 +62,7 @@ from plugin.config.variables import (
     SCRAPE_TIMEOUT_MS,
     SLO_MAX_WAIT_MS,
     TRACING,
+    WORKERS,
 )
 from plugin.core.header_policy import HeaderPolicy
 from plugin.core.pool import EjectionPolicy
@@ -118,6 +119,7 @@ class Settings:
     pods_file: str | None = PODS_FILE.default
     grpc_port: int = GRPC_PORT.default
     http_port: int = HTTP_PORT.default
+    workers: int = WORKERS.default
     scrape_timeout_s: float = SCRAPE_TIMEOUT_MS.default / 1000.0
     metrics_max_age_intervals: int = METRICS_MAX_AGE_INTERVALS.default
     capacity_window_s: float = CAPACITY_WINDOW_S.default
@@ -233,6 +235,20 @@ def max_request_headers(env: Mapping[str, str] | None = None) -> int:
     return MAX_REQUEST_HEADERS.read(os.environ if env is None else env)
 
 
+def _workers(env: Mapping[str, str]) -> int:
+    workers = WORKERS.read(env)
+    if workers > 1 and REDIS_HOST.read(env) is None:
+        raise ConfigError(
+            f"{WORKERS.name}={workers} needs {REDIS_HOST.name}: the workers share their in-flight"
+            f" counts through Redis (set {REDIS_HOST.name}, or run one worker)"
+        )
+    if workers > 1 and GRPC_PORT.read(env) == 0:
+        raise ConfigError(
+            f"{WORKERS.name}={workers} needs a fixed {GRPC_PORT.name}: the workers share one port"
+        )
+    return workers
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every variable; raise ConfigError naming the first bad one."""
     env = os.environ if env is None else env
@@ -261,6 +277,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         pods_file=PODS_FILE.read(env),
         grpc_port=GRPC_PORT.read(env),
         http_port=HTTP_PORT.read(env),
+        workers=_workers(env),
         scrape_timeout_s=SCRAPE_TIMEOUT_MS.read(env) / 1000.0,
         metrics_max_age_intervals=METRICS_MAX_AGE_INTERVALS.read(env),
         capacity_window_s=CAPACITY_WINDOW_S.read(env),

@@ -233,6 +233,16 @@ HTTP_PORT: Var[int] = Var(
     "HTTP port for /metrics, /healthz, /readyz and /debug/pods.",
     flag=Flag("serve", "--http-port"),
 )
+WORKERS: Var[int] = Var(
+    "HETERO_GATEWAY_WORKERS",
+    Int(ge=1, le=64),
+    1,
+    "Plugin processes on this host, sharing the gRPC port (SO_REUSEPORT: the kernel spreads"
+    " Envoy's connections over them) and their state through Redis (needs REDIS_HOST); worker i"
+    " serves HTTP on the HTTP port + i and publishes as POD_NAME-w<i>. One Python process uses"
+    " one core.",
+    flag=Flag("serve", "--workers"),
+)
 SCRAPE_TIMEOUT_MS: Var[int] = Var(
     "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS",
     Int(gt=0, unit=_MS),
@@ -453,6 +463,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     PODS_FILE,
     GRPC_PORT,
     HTTP_PORT,
+    WORKERS,
     SCRAPE_TIMEOUT_MS,
     METRICS_MAX_AGE_INTERVALS,
     CAPACITY_WINDOW_S,

@@ -81,6 +81,9 @@ class FleetSpec:
     count_mode: str = "observe"
     steering: str = "original-dst"  # or "override-host" (EnvoyOptions.steering)
     plugin_env: dict[str, str] = field(default_factory=dict)
+    # `serve --workers N` (needs REDIS_HOST in plugin_env); Envoy then runs N worker threads,
+    # one connection each to the shared port, which the kernel spreads over the workers.
+    plugin_workers: int = 1
 
 
 @dataclass(slots=True)
@@ -281,6 +284,7 @@ class LocalFleet:
                 str(grpc_port),
                 "--http-port",
                 str(http_port),
+                *("--workers", str(self.spec.plugin_workers)),
             ],
             env={**PURE_STRATEGIES, **os.environ, **self.spec.plugin_env, **env},
         )
@@ -340,7 +344,7 @@ class LocalFleet:
                 "warn",
                 "--disable-hot-restart",
                 "--concurrency",
-                "1",
+                str(self.spec.plugin_workers),
             ],
         )
 

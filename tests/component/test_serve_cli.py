@@ -99,6 +99,8 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
         ("HETERO_GATEWAY_CAPACITY_WINDOW_S", "inf"),
         ("HETERO_GATEWAY_CAPACITY_TAU_S", "nan"),
         ("HETERO_GATEWAY_LOG_LEVEL", "LOUD"),
+        ("HETERO_GATEWAY_WORKERS", "2"),  # without REDIS_HOST: the workers could share nothing
+        ("HETERO_GATEWAY_WORKERS", "0"),
     ],
     ids=[
         "kv-critical-above-1",
@@ -113,6 +115,8 @@ def _error_line(capsys: pytest.CaptureFixture[str]) -> str:
         "window-inf",
         "tau-nan",
         "log-level",
+        "workers-without-redis",
+        "no-workers",
     ],
 )
 def test_bad_variable_exits_2_naming_it(
@@ -333,6 +337,7 @@ def test_the_flags_are_the_declared_ones() -> None:
         "serve --discovery": "HETERO_GATEWAY_DISCOVERY",
         "serve --grpc-port": "HETERO_GATEWAY_GRPC_PORT",
         "serve --http-port": "HETERO_GATEWAY_HTTP_PORT",
+        "serve --workers": "HETERO_GATEWAY_WORKERS",
         "envoy-config --max-request-bytes": "AIBRIX_GRPC_MAX_MESSAGE_SIZE_BYTES",
         "optimizer --port": "HETERO_GATEWAY_OPTIMIZER_PORT",
     }

@@ -88,3 +88,39 @@ async def test_a_killed_replica_cuts_nothing_and_every_count_returns_to_zero(
                 lambda n: n == 0,
                 f"{plugin} to count none in flight",
             )
+
+
+async def test_workers_on_one_port_serve_and_count_every_request(
+    module_redis: RedisServer,
+) -> None:
+    """`serve --workers 2` behind an Envoy of two worker threads: the kernel spreads Envoy's two
+    connections over the workers, every request is served, both workers route, and the counts
+    end at 0 on both (worker i serves HTTP on the HTTP port + i)."""
+    spec = FleetSpec(
+        model=MODEL,
+        presets=("a100", "l20"),
+        time_scale=2.0,
+        tokens_per_chunk=4,
+        plugin_env=redis_env(module_redis, "multi"),
+        plugin_workers=2,
+        listen_port=free_port(),
+    )
+    async with LocalFleet(spec) as fleet:
+        workers = [fleet.plugin_url, f"http://127.0.0.1:{fleet.http_port + 1}"]
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            for url in workers:  # the second worker may still be starting
+                await poll(
+                    functools.partial(debug_pods, session, url),
+                    lambda doc: doc["shared_state"]["mode"] == "shared",
+                    f"{url} to join the shared state",
+                    limit_s=20.0,
+                )
+            done = await asyncio.gather(*(stream(session, fleet.envoy_url) for _ in range(40)))
+            assert all(done)
+            routed = [
+                await metric_sum(session, url, "hetero_gateway_routed_requests_total")
+                for url in workers
+            ]
+            assert sum(routed) == 40 and min(routed) > 0, routed
+            for url in workers:
+                await poll(functools.partial(counts, session, url), lambda n: n == 0, f"{url} at 0")

@@ -291,6 +291,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_DENIED_HEADER_ACTION": ("drop", "403"),
     "HETERO_GATEWAY_GRPC_PORT": ("-1", "65536", "http"),
     "HETERO_GATEWAY_HTTP_PORT": ("-1", "65536"),
+    "HETERO_GATEWAY_WORKERS": ("0", "65", "2.5", "two"),
     "HETERO_GATEWAY_SCRAPE_TIMEOUT_MS": ("0", "0.5"),
     "HETERO_GATEWAY_METRICS_MAX_AGE_INTERVALS": ("0", "1.5"),
     "HETERO_GATEWAY_CAPACITY_WINDOW_S": ("0", "-inf"),
