@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -46,6 +47,7 @@ from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet
 from plugin_tools.demo.redis_server import RedisServer
 from tests.helpers import (
     REPO,
+    Kustomize,
     ObserveServe,
     ServeApp,
     StartGateway,
@@ -288,3 +290,15 @@ def trace_dir() -> Path:
 def profile_dir() -> Path:
     """The shared data's AIBrix GPU profiles and the benchmark rows they were built from."""
     return _require_shared("aibrix-profiles", "AIBrix's GPU profiles and benchmark rows")
+
+
+@pytest.fixture(scope="session")
+def render() -> Kustomize:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail(
+            "kubectl not found on PATH: the manifest tests render deploy/ with `kubectl kustomize`"
+            " (install kubectl)",
+            pytrace=False,
+        )
+    return Kustomize(kubectl)

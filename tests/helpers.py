@@ -8,6 +8,7 @@ something happen.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import subprocess
 import sys
@@ -346,3 +347,40 @@ async def wait_idle(session: aiohttp.ClientSession, fleet: LocalFleet, limit_s: 
         return inflight, engines, len(state["inflight_removed_pods"])
 
     await poll(busy, lambda b: b == (0, 0.0, 0), "an idle fleet", limit_s=limit_s, interval_s=0.2)
+
+
+# --- deploy/ -------------------------------------------------------------------------------------
+
+# libyaml's loader where PyYAML has it: the CRDs are large, and the pure-Python one is slow.
+YAML_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
+
+
+class RenderError(Exception):
+    """`kubectl kustomize` refused a kustomization; the message carries kubectl's."""
+
+
+class Kustomize:
+    """`kubectl kustomize`; each overlay of deploy/ is rendered once and copied for each test."""
+
+    def __init__(self, kubectl: str) -> None:
+        self.kubectl = kubectl
+        self._overlays: dict[str, tuple[dict[str, Any], ...]] = {}
+
+    def build(self, directory: Path) -> list[dict[str, Any]]:
+        """The objects the kustomization in `directory` renders, in kubectl's order."""
+        proc = subprocess.run(
+            [self.kubectl, "kustomize", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RenderError(f"kubectl kustomize {directory} failed:\n{proc.stderr}")
+        return [doc for doc in yaml.load_all(proc.stdout, Loader=YAML_LOADER) if doc is not None]
+
+    def __call__(self, overlay: str) -> list[dict[str, Any]]:
+        """deploy/overlays/`overlay`'s objects (a fresh copy: tests may mutate them)."""
+        if overlay not in self._overlays:
+            self._overlays[overlay] = tuple(self.build(REPO / "deploy" / "overlays" / overlay))
+        return copy.deepcopy(list(self._overlays[overlay]))

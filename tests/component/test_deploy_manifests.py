@@ -16,7 +16,6 @@ import copy
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import tomllib
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from plugin.adapters.steering import (
 from plugin.config import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ENV_VARS,
+    MAX_REQUEST_HEADERS,
     OPTIMIZER_PORT,
     Settings,
     load_settings,
@@ -43,7 +43,7 @@ from plugin.config import (
 from plugin.core.header_policy import CLIENT_ROUTING_HEADERS
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 from plugin.errors import ConfigError
-from tests.helpers import REPO, bootstrap_hcm
+from tests.helpers import REPO, YAML_LOADER, Kustomize, RenderError, bootstrap_hcm
 
 pytestmark = pytest.mark.component
 
@@ -102,52 +102,6 @@ DESIGNED_VARS = {
 
 # --- rendering -----------------------------------------------------------------------------------
 
-# libyaml's loader where PyYAML has it: the CRDs are large, and the pure-Python one is slow.
-_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
-
-
-class RenderError(Exception):
-    """`kubectl kustomize` refused a kustomization; the message carries kubectl's."""
-
-
-class Kustomize:
-    """`kubectl kustomize`; each overlay of deploy/ is rendered once and copied for each test."""
-
-    def __init__(self, kubectl: str) -> None:
-        self.kubectl = kubectl
-        self._overlays: dict[str, tuple[Obj, ...]] = {}
-
-    def build(self, directory: Path) -> list[Obj]:
-        """The objects the kustomization in `directory` renders, in kubectl's order."""
-        proc = subprocess.run(
-            [self.kubectl, "kustomize", str(directory)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise RenderError(f"kubectl kustomize {directory} failed:\n{proc.stderr}")
-        return [doc for doc in yaml.load_all(proc.stdout, Loader=_LOADER) if doc is not None]
-
-    def __call__(self, overlay: str) -> list[Obj]:
-        """deploy/overlays/`overlay`'s objects (a fresh copy: tests may mutate them)."""
-        if overlay not in self._overlays:
-            self._overlays[overlay] = tuple(self.build(DEPLOY / "overlays" / overlay))
-        return copy.deepcopy(list(self._overlays[overlay]))
-
-
-@pytest.fixture(scope="session")
-def render() -> Kustomize:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail(
-            "kubectl not found on PATH: the manifest tests render deploy/ with `kubectl kustomize`"
-            " (install kubectl)",
-            pytrace=False,
-        )
-    return Kustomize(kubectl)
-
 
 def resource_id(obj: Obj) -> tuple[str, str, str, str]:
     """(group, kind, namespace, name): what kustomize keeps unique."""
@@ -196,7 +150,7 @@ def crds(crd_dir: Path) -> Crds:
     """(group, version, kind) -> the CRD's version entry, for every served version."""
     versions: Crds = {}
     for path in sorted(crd_dir.glob("*.yaml")):
-        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=_LOADER):
+        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=YAML_LOADER):
             if not doc or doc.get("kind") != "CustomResourceDefinition":
                 continue
             spec = doc["spec"]
@@ -708,6 +662,11 @@ def test_variants_differ_only_where_they_must(render: Kustomize) -> None:
     btp_open = one(fail_open, "BackendTrafficPolicy")
     btp_open["spec"].pop("loadBalancer")
     assert btp_open == one(fail_closed, "BackendTrafficPolicy")
+    # The envoy-protections component raises the listener's header limit, and the plugin's.
+    env_closed = next(o for o in fail_closed if o["metadata"]["name"] == "hetero-gateway-env")
+    env_open = next(o for o in fail_open if o["metadata"]["name"] == "hetero-gateway-env")
+    assert env_closed["data"].pop(MAX_REQUEST_HEADERS.name) == str(MAX_REQUEST_HEADERS.default)
+    assert env_open["data"].pop(MAX_REQUEST_HEADERS.name) == "100"
     rest = {
         resource_id(o): o
         for o in fail_closed
