@@ -166,7 +166,14 @@ class EgModel:
                     {
                         "name": name,
                         "match": envoy_match,
-                        "route": {"cluster": self.rule_cluster(i)},
+                        "route": {
+                            "cluster": self.rule_cluster(i),
+                            **(
+                                {"timeout": rule["timeouts"]["request"]}
+                                if "request" in rule.get("timeouts", {})
+                                else {}
+                            ),
+                        },
                         "typed_per_filter_config": copy.deepcopy(enabled),
                     }
                 )

@@ -332,8 +332,18 @@ class LocalFleet:
     async def _spawn_envoy(
         self, name: str, opts: EnvoyOptions, layout: BenchLayout | None = None
     ) -> asyncio.subprocess.Process:
+        return await self._spawn_envoy_text(name, bench_bootstrap_yaml(opts, layout))
+
+    async def start_envoy_bootstrap(self, name: str, text: str, admin_port: int) -> None:
+        """Another Envoy from a bootstrap of the caller's (YAML `text`, its admin on
+        `admin_port`); `stop()` stops it too."""
+        proc = await self._spawn_envoy_text(name, text)
+        self.extra_envoys.append(proc)  # before the wait: a failed start is stopped too
+        await self._wait_http(name, proc, f"http://127.0.0.1:{admin_port}/ready")
+
+    async def _spawn_envoy_text(self, name: str, text: str) -> asyncio.subprocess.Process:
         bootstrap = self.workdir / f"{name}.yaml"
-        bootstrap.write_text(bench_bootstrap_yaml(opts, layout))
+        bootstrap.write_text(text)
         return await self._spawn(
             name,
             [
