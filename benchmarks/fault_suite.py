@@ -15,6 +15,8 @@ Scenarios (each on a fresh fleet, default wiring: ORIGINAL_DST, fail-closed, cou
 - an engine whose metrics page answers 404 (a wrong metrics path) while it serves: its share of
   the traffic against its share with a good page, in the same run, and the failures;
 - requests of 90 to 100 header lines (Envoy's default limit is 100): their statuses;
+- a `routing-strategy` header the operator locked, with each denied-header action: the status,
+  and which strategy routed it;
 - 200 streams cancelled mid-way: how long until the plugin counts none in flight, and the
   output tokens it credited against the engines' own counters;
 - 3 plugin replicas sharing Redis behind one Envoy cluster, one killed -9 while generations
@@ -437,6 +439,52 @@ async def many_headers(tmp: Path) -> Row:
     )
 
 
+async def _post_status(url: str, headers: dict[str, str]) -> tuple[int, str]:
+    """A short chat request with `headers`; its status and the strategy that routed it."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/chat/completions", json=_chat(2), headers=headers) as resp,
+    ):
+        await resp.read()
+        return resp.status, resp.headers.get("routing-strategy", "")
+
+
+async def locked_header(tmp: Path) -> Row:
+    """An operator locks `routing-strategy` to two strategies: a client naming another gets a
+    403 (action `reject`), or is routed by the default strategy (action `ignore`); an allowed
+    value is routed by it in both."""
+    seen: dict[str, tuple[tuple[int, str], tuple[int, str]]] = {}
+    for action in ("reject", "ignore"):
+        env = {
+            "HETERO_GATEWAY_CLIENT_HEADERS": "routing-strategy=least-request|random",
+            "HETERO_GATEWAY_DENIED_HEADER_ACTION": action,
+        }
+        (tmp / action).mkdir()
+        async with _fleet(tmp / action, presets=("a100", "l20"), plugin_env=env) as fleet:
+            allowed = await _post_status(fleet.envoy_url, {"routing-strategy": "least-request"})
+            locked = await _post_status(fleet.envoy_url, {"routing-strategy": "round-robin"})
+        seen[action] = (allowed, locked)
+    met = (
+        all(allowed == (200, "least-request") for allowed, _ in seen.values())
+        and seen["reject"][1][0] == 403
+        and seen["ignore"][1] == (200, "load-balance")
+    )
+    measure = "; ".join(
+        f"{action}: locked value {locked[0]}"
+        + (f" routed by {locked[1]}" if locked[0] == 200 else "")
+        + f", allowed value {allowed[0]} routed by {allowed[1]}"
+        for action, (allowed, locked) in seen.items()
+    )
+    return Row(
+        "a locked routing-strategy header",
+        4,
+        0,
+        measure=measure,
+        target="403 (reject) or the default strategy (ignore); allowed values routed by them",
+        met=met,
+    )
+
+
 async def _cancelled(session: aiohttp.ClientSession, url: str, chunks: int) -> None:
     """A long stream read for `chunks` chunks, then dropped by the client."""
     async with session.post(f"{url}/v1/chat/completions", json=_chat(400)) as resp:
@@ -736,6 +784,7 @@ SCENARIOS = (
     "huge-model",
     "metrics-404",
     "many-headers",
+    "locked-header",
     "cancelled-streams",
     "plugin-replicas",
     "replicas-cpu",
@@ -752,6 +801,7 @@ async def _scenario(name: str, path: Path, huge_count: int) -> Row:
         "hung-plugin": hung_plugin,
         "metrics-404": metrics_404,
         "many-headers": many_headers,
+        "locked-header": locked_header,
         "cancelled-streams": cancelled_streams,
         "plugin-replicas": plugin_replicas,
         "replicas-cpu": replicas_cpu,
