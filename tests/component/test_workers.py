@@ -18,15 +18,24 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from plugin.core.types import Pod
 from plugin_tools.demo.redis_server import RedisServer
-from tests.helpers import free_port, poll, redis_env, write_pods_file
+from tests.helpers import (
+    extproc_exchange,
+    free_port,
+    metric_sum,
+    poll,
+    redis_env,
+    write_pods_file,
+)
 
 pytestmark = pytest.mark.component
 
 LIMIT_S = 20.0  # starting Python processes on a busy 2-core machine
+ROUTED = "hetero_gateway_routed_requests_total"
 
 
 def children(pid: int) -> list[int]:
@@ -78,6 +87,20 @@ async def test_workers_share_one_port_restart_when_killed_and_stop_on_sigterm(
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # The kernel spreads connections over the workers: one request on each of 16 of them
+        # (a connection each: no shared subchannels) reaches both workers, but for 2^-15.
+        for _ in range(16):
+            options = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options) as channel:
+                call = pb_grpc.ExternalProcessorStub(channel).Process(
+                    iter(extproc_exchange("m", 3))
+                )
+                assert len([reply async for reply in call]) == 4
+        async with aiohttp.ClientSession() as session:
+            routed = [
+                await metric_sum(session, f"http://127.0.0.1:{port}", ROUTED) for port in ports
+            ]
+        assert sum(routed) == 16 and min(routed) > 0, routed
 
         first = children(supervisor.pid)
         assert len(first) == 2

@@ -93,9 +93,10 @@ async def test_a_killed_replica_cuts_nothing_and_every_count_returns_to_zero(
 async def test_workers_on_one_port_serve_and_count_every_request(
     module_redis: RedisServer,
 ) -> None:
-    """`serve --workers 2` behind an Envoy of two worker threads: the kernel spreads Envoy's two
-    connections over the workers, every request is served, both workers route, and the counts
-    end at 0 on both (worker i serves HTTP on the HTTP port + i)."""
+    """`serve --workers 2` behind an Envoy of two worker threads: every request is served and
+    routed by one of the workers, and the counts end at 0 on both (worker i serves HTTP on the
+    HTTP port + i). The kernel spreads connections, not streams: Envoy's two connections may
+    both land on one worker (tests/component/test_workers.py shows the spread over many)."""
     spec = FleetSpec(
         model=MODEL,
         presets=("a100", "l20"),
@@ -121,6 +122,6 @@ async def test_workers_on_one_port_serve_and_count_every_request(
                 await metric_sum(session, url, "hetero_gateway_routed_requests_total")
                 for url in workers
             ]
-            assert sum(routed) == 40 and min(routed) > 0, routed
+            assert sum(routed) == 40, routed
             for url in workers:
                 await poll(functools.partial(counts, session, url), lambda n: n == 0, f"{url} at 0")
