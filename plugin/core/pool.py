@@ -18,6 +18,7 @@ from typing import Any
 from plugin.core.batch_cap import CapLearning
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.config_profile import ModelConfig
+from plugin.core.fair_start import starting_capacities
 from plugin.core.lease import Lease
 from plugin.core.pod_speed import PodSpeed
 from plugin.core.pool_state import EjectionPolicy, ModelState, PodRecord, Scraped
@@ -38,6 +39,7 @@ class PodPool:
         "_capacity",
         "_caps",
         "_ejection",
+        "_fair_start",
         "_metrics_max_age_s",
         "_models",
         "_pods",
@@ -58,8 +60,12 @@ class PodPool:
         ejection: EjectionPolicy | None = None,
         saturation_probe_s: float = 60.0,
         saturation_scrapes: int = 4,
+        fair_start: bool = True,
     ) -> None:
+        """`fair_start`: a pod without a learned capacity starts from its deployment's peers
+        (`plugin.core.fair_start`); False leaves it without one (scored at the pool's mean)."""
         self._capacity = capacity
+        self._fair_start = fair_start
         self._caps = CapLearning(saturation_probe_s, saturation_scrapes)
         self._ejection = ejection or EjectionPolicy()
         self._metrics_max_age_s = metrics_max_age_s
@@ -130,9 +136,11 @@ class PodPool:
                 candidate = self._new_candidate(pod)
             slots.append(candidate)
         config = next((p.model_config for p in pods if p.model_config is not None), None)
-        return ModelState(
+        state = ModelState(
             CandidateView(model, slots), pods, any(p.ready for p in pods), config=config
         )
+        self._set_capacities(state)  # new pods start from their peers (a new view: dirty)
+        return state
 
     def _new_candidate(self, pod: Pod) -> Candidate:
         key = pod.key
@@ -383,8 +391,8 @@ class PodPool:
         if not record.speed.read_gap(self._capacity, key, gap_s, count, batch, waiting, kv):
             return
         if record.slot is not None:
-            state, order = record.slot
-            state.view.slots[order].capacity = self._capacity.estimate(key)
+            state = record.slot[0]
+            self._set_capacities(state)  # peers may start from this estimate
             if not state.dirty:
                 state.view.reindex()  # the capacity sum moved too
         self._changed()
@@ -393,15 +401,25 @@ class PodPool:
         """End of a scrape tick: capacity estimates move on, and the metrics just read count."""
         self._capacity.refresh(now)
         for state in self._models.values():
-            moved = False
-            for candidate in state.view.slots:
-                estimate = self._capacity.estimate(candidate.pod.key)
-                if estimate != candidate.capacity:
-                    candidate.capacity = estimate
-                    moved = True
-            if moved and not state.dirty:
+            if self._set_capacities(state) and not state.dirty:
                 state.view.reindex()  # here, on the scrape tick, not on a request
         self._changed()
+
+    def _set_capacities(self, state: ModelState) -> bool:
+        """Each candidate's capacity: its learned estimate, else where it starts
+        (`plugin.core.fair_start`). True when one moved."""
+        estimate = self._capacity.estimate
+        starts = starting_capacities(state.pods, estimate) if self._fair_start else {}
+        state.starts = starts
+        moved = False
+        for candidate in state.view.slots:
+            key = candidate.pod.key
+            start = starts.get(key)
+            capacity = estimate(key) if start is None else start[0]
+            if capacity != candidate.capacity:
+                candidate.capacity = capacity
+                moved = True
+        return moved
 
     # shared state (several gateways) ---------------------------------------------------------
     def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
@@ -470,6 +488,11 @@ class PodPool:
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
 
+    def _start(self, pod: Pod) -> tuple[float, str] | None:
+        """Where a pod without a learned capacity starts, as routing scores it."""
+        state = self._models.get(pod.model)
+        return None if state is None else state.starts.get(pod.key)
+
     def scraped(self, key: str) -> tuple[EngineMetrics, float] | None:
         """The pod's last engine metrics and the clock time they count until."""
         entry = r.scraped if (r := self._records.get(key)) else None
@@ -489,7 +512,7 @@ class PodPool:
         """JSON-ready view for /debug/pods and tests."""
         pods = {
             key: self._records[key].describe(
-                pod, now, self.remote_inflight(key), self.capacity(key)
+                pod, now, self.remote_inflight(key), self.capacity(key), self._start(pod)
             )
             for key, pod in sorted(self._pods.items())
         }

@@ -41,6 +41,8 @@ class ModelState:
     next_heal: float = math.inf  # the earliest end of an ejection among the model's pods
     stale: list[tuple[float, int]] = field(default_factory=list)  # heap: (fresh until, order)
     config: ModelConfig | None = None  # the first pod's `model.aibrix.ai/config`, if any
+    # Pods without a learned capacity: where they start (`plugin.core.fair_start`).
+    starts: dict[str, tuple[float, str]] = field(default_factory=dict)
 
     def recompute(self, now: float, records: Mapping[str, PodRecord]) -> None:
         """Bring the view to `now` from scratch: metrics freshness and the routable set (when
@@ -287,9 +289,17 @@ class PodRecord:
             h.ejected_until = now + min(policy.max_s, policy.base_s * 2**doublings)
             self.mark_dirty()
 
-    def describe(self, pod: Pod, now: float, remote: int, capacity: float | None) -> dict[str, Any]:
-        """The pod's `/debug/pods` entry (JSON-ready), with other gateways' in-flight count
-        and the capacity estimate, which the pool keeps."""
+    def describe(
+        self,
+        pod: Pod,
+        now: float,
+        remote: int,
+        capacity: float | None,
+        start: tuple[float, str] | None = None,
+    ) -> dict[str, Any]:
+        """The pod's `/debug/pods` entry (JSON-ready), with other gateways' in-flight count,
+        the capacity estimate and, without one, where the pod's capacity starts (the pool keeps
+        them)."""
         scraped, speed, cap = self.scraped, self.speed, self.cap
         per_chunk = speed.tokens_per_chunk()
         return {
@@ -312,6 +322,11 @@ class PodRecord:
             "output_tokens_estimated": self.estimated,
             "token_source": self.token_source,
             "capacity_tokens_per_s": capacity,
+            # Not learned yet: the capacity it is scored at, and from what (its deployment's
+            # peers, or the lowest learned).
+            "capacity_start": None
+            if start is None
+            else {"tokens_per_s": round(start[0], 3), "from": start[1]},
             "speed_changes": speed.rescaled,
             "speed_changes_from_chunk_gaps": speed.rescaled_by_gaps,
             # Output tokens per chunk of its streams, as the chunk-gap watch learned it.

@@ -67,6 +67,9 @@ class GatewayModel:
     # speculative decoding): a stream's chunk then comes every this many steps, their phases
     # spread, so about 1/this of the batch gets one from each step, after the last this many.
     tokens_per_event: int = 1
+    # A replica without a learned capacity starts from its GPU type's peers (False: it is
+    # scored at the mean of the pool's estimates, the rule before; `plugin.core.fair_start`).
+    fair_start: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +211,11 @@ def simulate(
     ]
     index = {p.key: i for i, p in enumerate(pods)}
     estimator = CapacityEstimator(gw.capacity_window_s, gw.capacity_tau_s)
-    pool = PodPool(estimator, gw.scrape_interval_s * gw.metrics_max_age_intervals)
+    pool = PodPool(
+        estimator,
+        gw.scrape_interval_s * gw.metrics_max_age_intervals,
+        fair_start=gw.fair_start,
+    )
     if book is not None:
         pool.use_profiles(book)
     pool.set_pods(pods)

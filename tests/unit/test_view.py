@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from plugin.core import view as view_module
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.fair_start import starting_capacities
 from plugin.core.pool import EjectionPolicy, Lease, PodPool
 from plugin.core.profile import GpuProfile, ProfileBook, profile_key
 from plugin.core.strategies import (
@@ -48,6 +49,8 @@ def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Can
     """What `PodPool.candidates` promises, built the plain way from the pool's public state."""
     ready = [p for p in pods if p.ready]
     healthy = [p for p in ready if not pool.ejected(p.key, now)] or ready
+    # A pod that has not learned its capacity is scored at where it starts.
+    starts = starting_capacities(pods, pool.capacity)
     out = []
     for p in healthy:
         scraped = pool.scraped(p.key)
@@ -62,7 +65,7 @@ def reference_candidates(pool: PodPool, pods: list[Pod], now: float) -> list[Can
                 pool.inflight(p.key) + pool.remote_inflight(p.key),
                 scraped[0].waiting if fresh and scraped else None,
                 scraped[0].kv_usage if fresh and scraped else None,
-                pool.capacity(p.key),
+                starts[p.key][0] if p.key in starts else pool.capacity(p.key),
                 full_at,
                 cpu_kv_usage=scraped[0].cpu_kv_usage if fresh and scraped else None,
             )

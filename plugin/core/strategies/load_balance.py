@@ -78,8 +78,10 @@ def load_balance_scores(
 ) -> list[float]:
     """score = (running + lambda * queued) / capacity * (1 + alpha * (1 - kvFree)^2).
 
-    +Inf below the KV guardrail; 0 when idle; a replica without an estimate gets the mean of the
-    estimates that exist, and with none at all every replica gets the same capacity.
+    +Inf below the KV guardrail; 0 when idle. The pool gives a replica that has not learned its
+    capacity where it starts (`plugin.core.fair_start`); a candidate still without one (built
+    elsewhere) gets the mean of the estimates that exist, and with none at all every replica
+    gets the same capacity.
     """
     known = [
         c.capacity for c in candidates if c.capacity is not None and usable_capacity(c.capacity)

@@ -1,0 +1,104 @@
+"""A replica without a learned capacity starts from its deployment's peers, else from the lowest
+learned one (`plugin.core.fair_start`), and the pool scores it so until it has learned."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.fair_start import DEPLOYMENT, LOWEST, starting_capacities
+from plugin.core.pool import PodPool
+from plugin.core.strategies import LoadBalanceSettings, load_balance_scores
+from plugin.core.types import Pod
+from tests.helpers import make_pod
+
+pytestmark = pytest.mark.unit
+
+
+def pod(name: str, deployment: str | None, port: int) -> Pod:
+    return make_pod(name, deployment=deployment, port=port)
+
+
+A1, A2, A3 = (pod(f"a100-{i}", "a100", 8000 + i) for i in range(3))
+V1, V2 = (pod(f"v100-{i}", "v100", 8100 + i) for i in range(2))
+L1 = pod("l20-0", "l20", 8200)
+BARE = pod("bare", None, 8300)
+
+
+def test_a_new_pod_starts_from_its_deployment_s_mean() -> None:
+    learned = {A1.key: 1000.0, A2.key: 1400.0, V1.key: 200.0}
+    starts = starting_capacities([A1, A2, A3, V1, V2], learned.get)
+    assert starts == {A3.key: (1200.0, DEPLOYMENT), V2.key: (200.0, DEPLOYMENT)}
+
+
+def test_without_learned_peers_a_pod_starts_from_the_lowest_learned() -> None:
+    learned = {A1.key: 1000.0, V1.key: 200.0}
+    starts = starting_capacities([A1, V1, L1, BARE], learned.get)
+    assert starts == {L1.key: (200.0, LOWEST), BARE.key: (200.0, LOWEST)}
+
+
+@pytest.mark.parametrize("unusable", [0.0, -1.0, math.inf, math.nan])
+def test_an_unusable_estimate_is_no_estimate(unusable: float) -> None:
+    learned = {A1.key: 1000.0, A2.key: unusable}
+    assert starting_capacities([A1, A2], learned.get) == {A2.key: (1000.0, DEPLOYMENT)}
+
+
+def test_with_nothing_learned_nothing_starts() -> None:
+    assert starting_capacities([A1, V1], lambda key: None) == {}
+
+
+def learn(pool: PodPool, tokens: list[tuple[Pod, int]]) -> None:
+    pool.refresh_capacity(0.0)
+    for p, n in tokens:
+        pool.acquire(p).release(n, 200, 1.0)
+    for t in (2.0, 5.0, 10.0):
+        pool.refresh_capacity(t)
+
+
+def test_a_new_v100_among_a100s_is_scored_as_a_v100_until_it_learns() -> None:
+    """The mean of the model's estimates would score the new V100 at about an A100's capacity
+    (three A100s, one V100): it would take an A100's share of the load."""
+    estimator = CapacityEstimator()
+    pool = PodPool(estimator, 3.0)
+    pool.set_pods([A1, A2, V1])
+    learn(pool, [(A1, 1000), (A2, 1000), (V1, 200)])
+    a100, v100 = estimator.estimate(A1.key), estimator.estimate(V1.key)
+    assert a100 is not None and v100 is not None and a100 > 4 * v100
+    pool.set_pods([A1, A2, V1, V2, L1])
+    capacities = {c.pod.name: c.capacity for c in pool.candidates("m", 10.0)}
+    assert capacities == {
+        "a100-0": a100,
+        "a100-1": a100,
+        "v100-0": v100,
+        "v100-1": v100,
+        "l20-0": v100,
+    }
+    pods = pool.snapshot(10.0)["pods"]
+    assert pods[V2.key]["capacity_tokens_per_s"] is None
+    assert pods[V2.key]["capacity_start"] == {"tokens_per_s": round(v100, 3), "from": DEPLOYMENT}
+    assert pods[L1.key]["capacity_start"]["from"] == LOWEST
+    assert pods[A1.key]["capacity_start"] is None
+    # One request each: the new V100 scores as the V100 it is, not as the fleet's mean.
+    candidates = pool.candidates("m", 10.0)
+    for c in candidates:
+        c.running = 1
+    scores = dict(
+        zip(
+            [c.pod.name for c in candidates],
+            load_balance_scores(candidates, LoadBalanceSettings()),
+            strict=True,
+        )
+    )
+    assert scores["v100-1"] == pytest.approx(scores["v100-0"])
+    assert scores["v100-1"] > 4 * scores["a100-0"]
+    # Once it has learned its own, that counts.
+    pool.refresh_capacity(11.0)  # its first window begins
+    pool.acquire(V2).release(400, 200, 11.5)
+    for t in (12.0, 15.0, 20.0):
+        pool.refresh_capacity(t)
+    mine = estimator.estimate(V2.key)
+    assert mine is not None
+    assert {c.pod.name: c.capacity for c in pool.candidates("m", 20.0)}["v100-1"] == mine
+    assert pool.snapshot(20.0)["pods"][V2.key]["capacity_start"] is None
