@@ -1,14 +1,17 @@
-"""A new replica joins a mixed fleet under load: how much traffic it takes before it has learned
-its own capacity, starting from its GPU type's peers (`plugin.core.fair_start`) against the
-previous rule, the mean learned capacity of the whole pool (AIBrix's), in the same run.
+"""A new replica joins a mixed fleet under load: how much traffic it takes, and how its requests
+fare, before it has learned its own capacity (`plugin.core.fair_start`), against the previous
+rule, the mean learned capacity of the whole pool (AIBrix's), in the same run.
 
-Simulated fleet (`plugin_tools.sim`): A100s and a V100 serving the chat mix with load-balance at
-a fixed share of G* (the sum of what each replica sustains alone within the SLO); a second V100
-is listed but not ready until `--join-at`, then joins. Reported for the requests that arrived in
-the `--window` seconds after it joined: the share it was sent against its share of G*, the p99
-E2E of the requests it served, and the whole fleet's SLO attainment over that window.
+Simulated fleets (`plugin_tools.sim`) serving the chat mix with load-balance at a fixed share of
+G* (the sum of what each replica sustains alone within the SLO). The last V100 is listed but not
+ready until `--join-at`, then joins with nothing learned: once beside another V100 (it starts
+from its peer), once as the first V100 among three A100s (no peer: it starts from the GPU
+profiles' ratio when SLO routing's profiles are loaded, else from the lowest learned capacity).
+Reported for the requests that arrived in the `--window` seconds after it joined: its share of
+them against its share of G*, the p99 time per output token of those it served against the
+A100s', and SLO attainment.
 
-    python benchmarks/fair_start.py            # writes docs/benchmarks.md, "A new replica joins"
+    python benchmarks/fair_start.py            # writes docs/benchmarks.md, section fair-start
     python benchmarks/fair_start.py --no-write
 """
 
@@ -22,100 +25,125 @@ import sys
 from pathlib import Path
 
 from plugin.core.pool import PodPool
+from plugin.core.profile import ProfileBook
 from plugin_tools.docsection import write_section
 from plugin_tools.sim.engine import parse_fleet
-from plugin_tools.sim.fleet import RunResult, replica_names, simulate
+from plugin_tools.sim.fleet import RequestRecord, RunResult, replica_names, simulate
 from plugin_tools.sim.metrics import met
 from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
-from plugin_tools.sim.workload import CHAT, Arrivals, generate
+from plugin_tools.sim.workload import CHAT, Arrivals, SimRequest, generate
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 SECTION = "fair-start"
-FLEET = "3xa100,2xv100"  # the last replica is the one that joins
-FIRST_TICK_S = 1.5
+# The fleets: the last replica is the one that joins.
+CASES = {
+    "3xa100,2xv100": "a V100 joins beside a V100",
+    "3xa100,v100": "the first V100 joins three A100s",
+}
+RULES = ("pool mean", "fair start", "fair start, GPU profiles loaded")
+FIRST_TICK_S = 1.5  # nothing arrives before the first scrape tick, which hides the newcomer
 
 
-def run(rule: str, seed: int, load: float, join_at: float, window: float) -> dict[str, float]:
-    profiles = parse_fleet(FLEET)
-    names = replica_names(profiles)
-    joining = len(profiles) - 1
-    scenario = Scenario(tuple(profiles), CHAT, warmup_s=join_at, seed=seed)
-    join_at += FIRST_TICK_S
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    scenario: Scenario
+    requests: list[SimRequest]
+    fair_share: float
+    join_at: float
+
+
+def setup(fleet: str, seed: int, load: float, join_at: float, window: float) -> Setup:
+    profiles = tuple(parse_fleet(fleet))
+    scenario = Scenario(profiles, CHAT, warmup_s=join_at + FIRST_TICK_S, seed=seed)
     capacities = slo_capacities(scenario)
     g_star = sum(capacities.values())
     rate = load * g_star
     total_s = join_at + window
     drawn = generate(CHAT, Arrivals(), rate, math.ceil(rate * total_s), random.Random(seed))
-    # Nothing arrives before the first scrape tick (1 s), which takes the joining replica out:
-    # it must have learned nothing when it joins.
     requests = [dataclasses.replace(r, arrival=r.arrival + FIRST_TICK_S) for r in drawn]
+    newcomer = replica_names(profiles)[-1]
+    return Setup(scenario, requests, capacities[newcomer] / g_star, join_at + FIRST_TICK_S)
+
+
+def run(s: Setup, rule: str, book: ProfileBook | None) -> dict[str, float]:
+    profiles = s.scenario.profiles
+    names = replica_names(profiles)
+    joining = len(profiles) - 1
     state = {"hidden": False, "joined": False}
 
     def on_scrape(now: float, pool: PodPool) -> None:
-        # Not ready from the first tick until `join_at`: it has learned nothing when it joins.
+        # Not ready from the first tick until it joins: it has learned nothing then.
         pods = pool.pods()
         key = next(p.key for p in pods if p.name == names[joining])
         if not state["hidden"]:
             state["hidden"] = True
             pool.set_pods([dataclasses.replace(p, ready=p.key != key) for p in pods])
-        elif not state["joined"] and now >= join_at:
+        elif not state["joined"] and now >= s.join_at:
             state["joined"] = True
             pool.set_pods([dataclasses.replace(p, ready=True) for p in pods])
 
-    gateway = dataclasses.replace(scenario.gateway, fair_start=rule != "pool mean")
-    strategy = make_strategy("load-balance", scenario)
+    gateway = dataclasses.replace(s.scenario.gateway, fair_start=rule != "pool mean")
     result = simulate(
         profiles,
-        strategy,
-        requests,
-        warmup_s=join_at,
+        make_strategy("load-balance", s.scenario),
+        s.requests,
+        warmup_s=s.join_at,
         gateway=gateway,
-        seed=seed,
+        seed=s.scenario.seed,
+        book=book if rule == RULES[2] else None,
         on_scrape=on_scrape,
     )
-    return summarize(result, scenario, joining, capacities[names[joining]] / g_star)
+    a100s = [i for i, p in enumerate(profiles) if p.name == "a100"]
+    return summarize(result, s, joining, a100s)
 
 
-def summarize(
-    result: RunResult, scenario: Scenario, joining: int, fair_share: float
-) -> dict[str, float]:
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return (
+        ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)] if ordered else math.nan
+    )
+
+
+def _attainment(s: Setup, records: list[RequestRecord]) -> float:
+    return sum(met(s.scenario.slo, r) for r in records) / len(records) if records else math.nan
+
+
+def summarize(result: RunResult, s: Setup, joining: int, a100s: list[int]) -> dict[str, float]:
     window = [r for r in result.records if r.measured]
     on_it = [r for r in window if r.replica == joining]
-    e2e = sorted(r.e2e for r in on_it)
-    p99 = e2e[min(len(e2e) - 1, math.ceil(0.99 * len(e2e)) - 1)] if e2e else math.nan
+    on_a100s = [r for r in window if r.replica in a100s]
     return {
-        "share": len(on_it) / len(window) if window else math.nan,
-        "fair_share": fair_share,
-        "p99_e2e_s": p99,
-        "attainment": sum(met(scenario.slo, r) for r in window) / len(window),
-        "attainment_on_it": sum(met(scenario.slo, r) for r in on_it) / len(on_it)
-        if on_it
-        else math.nan,
+        "share": len(on_it) / len(window) / s.fair_share if window else math.nan,
+        "tpot_p99": _p99([r.tpot for r in on_it]),
+        "a100_tpot_p99": _p99([r.tpot for r in on_a100s]),
+        "attainment_on_it": _attainment(s, on_it),
+        "attainment": _attainment(s, window),
     }
 
 
-RULES = ("pool mean", "its deployment's peers")
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--load", type=float, default=0.7, help="share of G* (default 0.7)")
     parser.add_argument("--join-at", type=float, default=120.0)
-    parser.add_argument("--window", type=float, default=30.0)
+    parser.add_argument("--window", type=float, default=60.0)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    rows: dict[str, list[dict[str, float]]] = {rule: [] for rule in RULES}
-    for seed in range(1, args.seeds + 1):
-        for rule in RULES:
-            rows[rule].append(run(rule, seed, args.load, args.join_at, args.window))
-            r = rows[rule][-1]
-            print(
-                f"seed {seed} {rule}: share {r['share']:.3f} (fair {r['fair_share']:.3f}),"
-                f" p99 E2E on it {r['p99_e2e_s']:.2f} s, attainment {r['attainment']:.3f}"
-                f" (on it {r['attainment_on_it']:.3f})",
-                file=sys.stderr,
-            )
+    rows: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for fleet in CASES:
+        book: ProfileBook | None = None
+        for seed in range(1, args.seeds + 1):
+            s = setup(fleet, seed, args.load, args.join_at, args.window)
+            if book is None:
+                book = s.scenario.profile_book()  # simulated sweeps of each GPU type
+            for rule in RULES:
+                r = run(s, rule, book)
+                rows.setdefault((fleet, rule), []).append(r)
+                print(f"{fleet} seed {seed} {rule}: {r}", file=sys.stderr)
     text = render(rows, args)
     print(text)
     if not args.no_write:
@@ -123,43 +151,51 @@ def main() -> int:
     return 0
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
-def render(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
-    fair = _mean([r["fair_share"] for r in rows[RULES[0]]])
+def render(rows: dict[tuple[str, str], list[dict[str, float]]], args: argparse.Namespace) -> str:
     lines = [
         "## A new replica joins a mixed fleet: where its capacity starts",
         "",
-        f"`python benchmarks/fair_start.py` (simulator; fleet {FLEET}, the chat mix, load-balance"
-        f" at {args.load:g} G*, {args.seeds} seeds): the second V100 is listed but not ready"
-        f" until {args.join_at:g} s, then joins with nothing learned. The requests that arrived"
-        f" in the {args.window:g} s after it joined, mean over seeds; its fair share (its G* over"
-        f" the fleet's) is {fair:.3f}.",
+        f"`python benchmarks/fair_start.py` (simulator, the chat mix, load-balance at"
+        f" {args.load:g} G*, {args.seeds} seeds): the last V100 of the fleet is listed but not"
+        f" ready until {args.join_at:g} s, then joins with nothing learned; the requests that"
+        f" arrived in the {args.window:g} s after it joined, mean over seeds. *Share* is its"
+        " share of those requests over its share of G*.",
         "",
-        "| a replica without an estimate starts from | its share of requests | its share / fair"
-        " | p99 E2E of those it served (s) | SLO attainment, its requests | SLO attainment,"
-        " fleet |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| case | a replica without an estimate starts from | share | its p99 TPOT (ms) |"
+        " A100s' p99 TPOT (ms) | SLO attainment, its requests | SLO attainment, fleet |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for rule in RULES:
-        rs = rows[rule]
-        share = _mean([r["share"] for r in rs])
-        p99 = _mean([r["p99_e2e_s"] for r in rs])
-        lines.append(
-            f"| {rule} | {share:.3f} | {share / fair:.2f}x | {p99:.2f}"
-            f" | {_mean([r['attainment_on_it'] for r in rs]):.3f}"
-            f" | {_mean([r['attainment'] for r in rs]):.3f} |"
-        )
-    peers, mean = (_mean([r["share"] for r in rows[rule]]) / fair for rule in RULES[::-1])
+    for fleet, case in CASES.items():
+        for rule in RULES:
+            rs = rows[(fleet, rule)]
+            start = {
+                RULES[0]: "the pool's mean",
+                RULES[1]: "its peers, else the lowest learned",
+                RULES[2]: "its peers, else the profiles' ratio",
+            }[rule]
+            lines.append(
+                f"| {case} ({fleet}) | {start} | {_mean([r['share'] for r in rs]):.2f}x"
+                f" | {1000 * _mean([r['tpot_p99'] for r in rs]):.0f}"
+                f" | {1000 * _mean([r['a100_tpot_p99'] for r in rs]):.0f}"
+                f" | {_mean([r['attainment_on_it'] for r in rs]):.3f}"
+                f" | {_mean([r['attainment'] for r in rs]):.3f} |"
+            )
+
+    def tpot(fleet: str, rule: str, key: str) -> float:
+        return 1000 * _mean([r[key] for r in rows[(fleet, rule)]])
+
+    first = list(CASES)[1]
     lines += [
         "",
-        f"Starting from the pool's mean, the newcomer is scored as the A100s around it and takes"
-        f" {mean:.1f}x its fair share until its own estimate catches up. Starting from its"
-        f" deployment's peers it takes {peers:.2f}x: no more than a V100 can serve, and for"
-        " those seconds somewhat less (it earns the rest as it learns; the fleet's other replicas"
-        " absorb the difference within the SLO here).",
+        f"Scored at the pool's mean, the newcomer is taken for an A100 and its p99 TPOT in its"
+        f" first {args.window:g} s is {tpot(first, RULES[0], 'tpot_p99'):.0f} ms against the"
+        f" A100s' {tpot(first, RULES[0], 'a100_tpot_p99'):.0f}. Beside a peer it starts as the"
+        " V100 it is. The first of its type has no peer: from the lowest learned capacity (an"
+        " A100's) it fares as with the mean; from the GPU profiles' ratio its p99 TPOT is"
+        f" {tpot(first, RULES[2], 'tpot_p99'):.0f} ms against the A100s'"
+        f" {tpot(first, RULES[2], 'a100_tpot_p99'):.0f}: close, not level. Without profiles"
+        " nothing tells the gateway a newcomer's speed before it has served: that case still"
+        " floods it.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -173,6 +173,8 @@ class PodPool:
                 if profile is not candidate.profile:
                     candidate.profile = profile
                     state.view.changed(order)
+            if self._set_capacities(state) and not state.dirty:  # starts may scale by them
+                state.view.reindex()
         self._changed()
 
     def _changed(self) -> None:
@@ -409,7 +411,8 @@ class PodPool:
         """Each candidate's capacity: its learned estimate, else where it starts
         (`plugin.core.fair_start`). True when one moved."""
         estimate = self._capacity.estimate
-        starts = starting_capacities(state.pods, estimate) if self._fair_start else {}
+        profiles = None if self._profiles is None else self._profile_of
+        starts = starting_capacities(state.pods, estimate, profiles) if self._fair_start else {}
         state.starts = starts
         moved = False
         for candidate in state.view.slots:

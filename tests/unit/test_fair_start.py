@@ -8,8 +8,15 @@ import math
 import pytest
 
 from plugin.core.capacity import CapacityEstimator
-from plugin.core.fair_start import DEPLOYMENT, LOWEST, starting_capacities
+from plugin.core.fair_start import (
+    DEPLOYMENT,
+    LOWEST,
+    PROFILE,
+    relative_speed,
+    starting_capacities,
+)
 from plugin.core.pool import PodPool
+from plugin.core.profile import GpuProfile, ProfileBook, profile_key
 from plugin.core.strategies import LoadBalanceSettings, load_balance_scores
 from plugin.core.types import Pod
 from tests.helpers import make_pod
@@ -47,6 +54,60 @@ def test_an_unusable_estimate_is_no_estimate(unusable: float) -> None:
 
 def test_with_nothing_learned_nothing_starts() -> None:
     assert starting_capacities([A1, V1], lambda key: None) == {}
+
+
+def profile(gpu: str, scale: float, ticks: tuple[int, ...] = (64, 1024)) -> GpuProfile:
+    """A profile whose rates are `scale` times a reference grid's (one cell never sustained)."""
+    base = ((20.0, 8.0), (6.0, 0.0))
+    tputs = tuple(tuple(scale * v for v in row) for row in base)
+    return GpuProfile(gpu, 1.0, (32, 256), ticks, tputs, 0.0)
+
+
+def test_relative_speed_is_the_ratio_of_the_profiles_rates() -> None:
+    assert relative_speed(profile("v100", 0.25), profile("a100", 1.0)) == pytest.approx(0.25)
+    assert relative_speed(profile("a100", 1.0), profile("v100", 0.25)) == pytest.approx(4.0)
+    # Another grid: each cell is looked up by its token sizes.
+    other = profile("l20", 0.5, ticks=(100, 2000))
+    assert relative_speed(other, profile("a100", 1.0)) == pytest.approx(0.5)
+    assert relative_speed(profile("x", 0.0), profile("a100", 1.0)) is None  # never sustained
+
+
+def test_the_first_of_its_type_starts_from_the_profiles_ratio() -> None:
+    """No V100 has learned yet: the A100s' capacity scaled by the profiles (a V100 a quarter of
+    an A100), not the lowest learned (an A100's); without a profile of its own, the lowest."""
+    profiles = {"a100": profile("a100", 1.0), "v100": profile("v100", 0.25)}
+    learned = {A1.key: 1000.0, A2.key: 1400.0}
+
+    def profile_of(p: Pod) -> GpuProfile | None:
+        return None if p.deployment is None else profiles.get(p.deployment)
+
+    starts = starting_capacities([A1, A2, V1, L1], learned.get, profile_of)
+    assert starts[V1.key][1] == PROFILE
+    assert starts[V1.key][0] == pytest.approx(0.25 * 1200.0)
+    assert starts[L1.key] == (1000.0, LOWEST)
+    assert starting_capacities([A1, A2, V1], learned.get)[V1.key] == (1000.0, LOWEST)
+
+
+def test_the_pool_scales_a_newcomer_by_the_profiles_it_routes_with() -> None:
+    estimator = CapacityEstimator()
+    pool = PodPool(estimator, 3.0)
+    book = ProfileBook()
+    book.replace(
+        {
+            profile_key("m", "a100"): profile("a100", 1.0),
+            profile_key("m", "v100"): profile("v100", 0.25),
+        }
+    )
+    pool.use_profiles(book)
+    pool.set_pods([A1, A2])
+    learn(pool, [(A1, 1000), (A2, 1000)])
+    a100 = estimator.estimate(A1.key)
+    assert a100 is not None
+    pool.set_pods([A1, A2, V1])
+    capacity = {c.pod.name: c.capacity for c in pool.candidates("m", 10.0)}["v100-0"]
+    assert capacity == pytest.approx(0.25 * a100)
+    start = pool.snapshot(10.0)["pods"][V1.key]["capacity_start"]
+    assert start["from"] == PROFILE
 
 
 def learn(pool: PodPool, tokens: list[tuple[Pod, int]]) -> None:
