@@ -4,11 +4,14 @@ Off unless `REDIS_HOST` is set. A background loop syncs every `HETERO_GATEWAY_RE
 (100 ms, as AIBrix's gateway does) in one pipelined MULTI/EXEC round trip; the request path never
 waits for Redis. Each round trip:
 
-- publishes this gateway's in-flight count per pod, replacing its previous entry, and renews the
-  entry's expiry (`HETERO_GATEWAY_REDIS_TTL_MS`): a gateway that dies stops renewing, and its
-  counts vanish from everyone's view when the entry expires (no phantom load);
+- publishes this gateway's in-flight count per pod, and the SLO load its requests take of each
+  pod (SLO routing's accounting: each request's share of its pod's profile), replacing its
+  previous entry, and renews the entry's expiry (`HETERO_GATEWAY_REDIS_TTL_MS`): a gateway that
+  dies stops renewing, and its counts vanish from everyone's view when the entry expires (no
+  phantom load);
 - reads every other live gateway's entry and hands the per-pod sums to the pool, which adds them
-  to its own counts when it scores candidates;
+  to its own counts and loads when it scores candidates (so the SLO strategies and their queue
+  see the fleet's load, not one gateway's share of it);
 - adds the output tokens counted since the previous round trip to per-pod counters shared by all
   gateways, and reads those counters back: the pool credits each counter's increase to its
   capacity estimator, so every gateway learns from the whole fleet's output, not its own share;
@@ -23,7 +26,8 @@ Keys (a pod key is `namespace/name`; a gateway id is `POD_NAME`, or `POD_NAMESPA
 else the host name):
 
     hetero-gateway:gateways               sorted set: gateway id -> last sync (unix seconds)
-    hetero-gateway:inflight:<gateway id>  hash: pod key -> in-flight count (non-zero only), and
+    hetero-gateway:inflight:<gateway id>  hash: pod key -> in-flight count (non-zero only),
+                                          `~load:<pod key>` -> SLO load (non-zero only), and
                                           `~instance` -> a random id of the publishing process;
                                           expires TTL after its last sync
     hetero-gateway:tokens:<pod key>       integer: output tokens completed by the pod, counted by
@@ -49,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import secrets
 import time
@@ -67,6 +72,7 @@ __all__ = [
     "GATEWAYS_KEY",
     "INSTANCE_FIELD",
     "KEY_PREFIX",
+    "LOAD_PREFIX",
     "RedisState",
     "claims_key",
     "connect",
@@ -79,6 +85,7 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "hetero-gateway"
 GATEWAYS_KEY = f"{KEY_PREFIX}:gateways"
 INSTANCE_FIELD = "~instance"  # never a pod key: those always hold a "/"
+LOAD_PREFIX = "~load:"  # a pod's SLO load field: the prefix, then the pod key
 TOKENS_TTL_S = 3600
 FORGET_GATEWAY_S = 300.0  # members silent this long leave the sorted set (clock skew margin)
 MAX_BACKOFF_S = 1.0
@@ -147,6 +154,14 @@ def _int(value: Any) -> int | None:
         return None
 
 
+def _float(value: Any) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def describe_error(exc: BaseException) -> str:
     """An exception in one log line: its class, and its message when it has one."""
     text = str(exc)
@@ -205,7 +220,10 @@ class RedisState:
         taken = pool.take_unpublished_tokens()
         owed = {} if self._claims is None else self._claims.take_claims()
         pod_keys = [p.key for p in pool.pods()]
-        local = {k: n for k in pod_keys if (n := pool.inflight(k)) > 0}
+        local = {k: str(n) for k in pod_keys if (n := pool.inflight(k)) > 0}
+        local.update(
+            {f"{LOAD_PREFIX}{k}": f"{load:.6g}" for k in pod_keys if (load := pool.load(k)) > 0}
+        )
         others = [m for m in self._members if m != me]
         mine = inflight_key(me)
         try:
@@ -215,13 +233,8 @@ class RedisState:
                 pipe = self._client.pipeline(transaction=True)
                 pipe.hget(mine, INSTANCE_FIELD)
                 pipe.delete(mine)
-                pipe.hset(
-                    mine,
-                    mapping={
-                        INSTANCE_FIELD: self._instance,
-                        **{k: str(n) for k, n in local.items()},
-                    },
-                )
+                fields: dict[Any, Any] = {INSTANCE_FIELD: self._instance, **local}
+                pipe.hset(mine, mapping=fields)
                 pipe.pexpire(mine, round(self.settings.ttl_s * 1000))
                 now = self._wall()
                 pipe.zadd(GATEWAYS_KEY, {me: now})
@@ -276,12 +289,19 @@ class RedisState:
         members = replies[6]
         self._members = [str(m) for m in members] if isinstance(members, list) else []
         remote: dict[str, int] = {}
+        loads: dict[str, float] = {}
         contributing = 0
         for entry in replies[7 : 7 + len(others)]:
             if not isinstance(entry, dict) or not entry:
                 continue  # expired: that gateway stopped syncing
             contributing += 1
             for field, value in entry.items():
+                if field.startswith(LOAD_PREFIX):
+                    load = _float(value)
+                    if load is not None and load > 0:
+                        pod = field[len(LOAD_PREFIX) :]
+                        loads[pod] = loads.get(pod, 0.0) + load
+                    continue
                 count = _int(value)
                 if field != INSTANCE_FIELD and count is not None and count > 0:
                     remote[field] = remote.get(field, 0) + count
@@ -291,7 +311,7 @@ class RedisState:
             values = replies[-1]
             if isinstance(values, list) and len(values) == len(pod_keys):
                 totals = {k: _int(v) for k, v in zip(pod_keys, values, strict=True)}
-        self._pool.set_remote_inflight(remote)
+        self._pool.set_remote_inflight(remote, loads)
         self._pool.apply_shared_tokens(totals)
         self._last_ok = self._clock()
         if not self.up:

@@ -46,6 +46,7 @@ class PodPool:
         "_profiles",
         "_records",
         "_remote",
+        "_remote_load",
         "_shared",
         "loaded",
         "on_change",
@@ -76,6 +77,7 @@ class PodPool:
         self._profiles: ProfileBook | None = None  # GPU profiles by deployment (SLO routing)
         # Other gateways' in-flight counts per pod, as the last sync read them (replaced whole).
         self._remote: dict[str, int] = {}
+        self._remote_load: dict[str, float] = {}  # and the SLO load they take of each pod
         self._shared = SharedTokens()
         self.loaded = False  # True once discovery delivered its first list
         # Told after every lease release or shrink (`Lease.streaming`): the router wakes
@@ -152,7 +154,7 @@ class PodPool:
             None,
             self._capacity.estimate(key),
             record.cap.full_at(pod.max_num_seqs),
-            record.load,
+            record.load + self._remote_load.get(key, 0.0),
             self._profile_of(pod),
         )
 
@@ -225,9 +227,10 @@ class PodPool:
         state, order = record.slot
         candidate = state.view.slots[order]
         running = record.inflight + self._remote.get(key, 0)
-        if candidate.running != running or candidate.load != record.load:
+        load = record.load + self._remote_load.get(key, 0.0)
+        if candidate.running != running or candidate.load != load:
             candidate.running = running
-            candidate.load = record.load
+            candidate.load = load
             state.view.changed(order)
 
     def acquire(
@@ -425,11 +428,18 @@ class PodPool:
         return moved
 
     # shared state (several gateways) ---------------------------------------------------------
-    def set_remote_inflight(self, counts: Mapping[str, int]) -> None:
-        """Other gateways' in-flight counts per pod key (replaces the previous view)."""
+    def set_remote_inflight(
+        self, counts: Mapping[str, int], loads: Mapping[str, float] | None = None
+    ) -> None:
+        """Other gateways' in-flight counts and SLO loads per pod key (replaces the previous
+        view; no `loads`: none)."""
         old, self._remote = self._remote, {k: v for k, v in counts.items() if v > 0}
-        for key in old.keys() | self._remote.keys():
-            if old.get(key) != self._remote.get(key):
+        old_load = self._remote_load
+        self._remote_load = {k: v for k, v in (loads or {}).items() if v > 0}
+        for key in old.keys() | self._remote.keys() | old_load.keys() | self._remote_load.keys():
+            if old.get(key) != self._remote.get(key) or old_load.get(key) != self._remote_load.get(
+                key
+            ):
                 self._inflight_changed(key, self._records.get(key))
         self._changed()
 
@@ -468,6 +478,10 @@ class PodPool:
     def remote_inflight(self, key: str) -> int:
         """Requests other gateways have in flight on the pod, as last synced."""
         return self._remote.get(key, 0)
+
+    def remote_load(self, key: str) -> float:
+        """The SLO load other gateways' requests take of the pod, as last synced."""
+        return self._remote_load.get(key, 0.0)
 
     def routed_total(self, key: str) -> int:
         return r.routed if (r := self._records.get(key)) else 0

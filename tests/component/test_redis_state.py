@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 
 from plugin.adapters.redis_state import (
     GATEWAYS_KEY,
+    LOAD_PREFIX,
     RedisState,
     inflight_key,
     tokens_key,
@@ -148,6 +149,35 @@ async def test_inflight_counts_sum_across_two_gateways(
         entry = await r.hgetall(inflight_key("gw-b"))
         assert {k: v for k, v in entry.items() if "/" in k} == {X.key: "3", Y.key: "1"}
         assert 0 < await r.pttl(inflight_key("gw-b")) <= TTL_S * 1000
+
+
+async def test_slo_loads_sum_across_gateways_so_no_pod_is_over_committed(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    """SLO routing's accounting (each request's share of its pod's profile) is shared like the
+    counts: a gateway sees the load the others' requests take, candidates carry the sum, and it
+    leaves their view when released (or when that gateway's entry expires)."""
+    a, b = members("gw-a"), members("gw-b")
+    mine = a.pool.acquire(X, 0.5)
+    theirs = [b.pool.acquire(X, 0.25), b.pool.acquire(Y, 0.75)]
+    for _ in range(3):
+        for m in (a, b):
+            assert await m.state.sync_once()
+    loads = {c.pod.name: c.load for c in a.pool.candidates("m", 0.0)}
+    assert loads == {"x": pytest.approx(0.75), "y": pytest.approx(0.75)}
+    assert a.pool.load(X.key) == 0.5
+    assert a.pool.remote_load(X.key) == pytest.approx(0.25)
+    assert b.pool.remote_load(X.key) == pytest.approx(0.5)
+    async with Redis(port=redis_server.port, decode_responses=True) as r:
+        entry = await r.hgetall(inflight_key("gw-b"))
+        assert entry[f"{LOAD_PREFIX}{Y.key}"] == "0.75"
+    for lease in theirs:
+        lease.release()
+    for m in (b, a):
+        assert await m.state.sync_once()
+    loads = {c.pod.name: c.load for c in a.pool.candidates("m", 0.0)}
+    assert loads == {"x": 0.5, "y": 0.0}
+    mine.release()
 
 
 async def test_released_requests_leave_the_other_gateways_view(
