@@ -51,46 +51,58 @@ def starting_capacities(
 ) -> dict[str, tuple[float, str]]:
     """For each pod without a usable learned capacity (`learned(key)`), its starting capacity and
     where it came from (`DEPLOYMENT`, `PROFILE` with `profile_of`, or `LOWEST`); pods with one,
-    or with nothing to start from, are left out."""
-    peers: dict[str, list[float]] = {}
-    known: list[tuple[Pod, float]] = []
+    or with nothing to start from, are left out. Linear in the pods: learned capacities are
+    summed per deployment, and each pair of GPU profiles is compared once."""
+    sums: dict[str | None, list[float]] = {}  # deployment -> [capacity sum, count]
+    profiles: dict[str | None, GpuProfile | None] = {}  # deployment -> its profile
     new: list[Pod] = []
+    lowest = math.inf
     for pod in pods:
         capacity = learned(pod.key)
         if capacity is None or not usable_capacity(capacity):
             new.append(pod)
             continue
-        if pod.deployment:
-            peers.setdefault(pod.deployment, []).append(capacity)
-        known.append((pod, capacity))
+        total = sums.get(pod.deployment)
+        if total is None:
+            total = sums[pod.deployment] = [0.0, 0.0]
+            if profile_of is not None:
+                profiles[pod.deployment] = profile_of(pod)
+        total[0] += capacity
+        total[1] += 1
+        lowest = min(lowest, capacity)
     starts: dict[str, tuple[float, str]] = {}
-    if not known:
+    if not sums:
         return starts
-    lowest = min(capacity for _, capacity in known)
+    scaled: dict[str | None, float | None] = {}  # a newcomer's deployment -> its start
     for pod in new:
-        same = peers.get(pod.deployment) if pod.deployment else None
+        same = sums.get(pod.deployment) if pod.deployment else None
         if same:
-            starts[pod.key] = (sum(same) / len(same), DEPLOYMENT)
+            starts[pod.key] = (same[0] / same[1], DEPLOYMENT)
             continue
-        scaled = None if profile_of is None else _scaled(pod, known, profile_of)
-        starts[pod.key] = (scaled, PROFILE) if scaled is not None else (lowest, LOWEST)
+        if profile_of is None:
+            start = None
+        elif pod.deployment in scaled:
+            start = scaled[pod.deployment]
+        else:
+            start = scaled[pod.deployment] = _scaled(profile_of(pod), sums, profiles)
+        starts[pod.key] = (start, PROFILE) if start is not None else (lowest, LOWEST)
     return starts
 
 
 def _scaled(
-    pod: Pod,
-    known: list[tuple[Pod, float]],
-    profile_of: Callable[[Pod], GpuProfile | None],
+    mine: GpuProfile | None,
+    sums: dict[str | None, list[float]],
+    profiles: dict[str | None, GpuProfile | None],
 ) -> float | None:
     """The mean, over learned replicas with a GPU profile, of their capacity times how fast
-    `pod`'s profile says its GPU is against theirs; None when no pair of profiles says."""
-    mine = profile_of(pod)
+    `mine` says its GPU is against theirs; None when no pair of profiles says."""
     if mine is None:
         return None
-    estimates = []
-    for other, capacity in known:
-        theirs = profile_of(other)
+    total = count = 0.0
+    for deployment, (capacity_sum, replicas) in sums.items():
+        theirs = profiles.get(deployment)
         speed = None if theirs is None else relative_speed(mine, theirs)
         if speed is not None:
-            estimates.append(capacity * speed)
-    return sum(estimates) / len(estimates) if estimates else None
+            total += capacity_sum * speed
+            count += replicas
+    return total / count if count else None
