@@ -29,7 +29,7 @@ from plugin.core.profile import ProfileBook
 from plugin_tools.docsection import write_section
 from plugin_tools.sim.engine import parse_fleet
 from plugin_tools.sim.fleet import RequestRecord, RunResult, replica_names, simulate
-from plugin_tools.sim.metrics import met
+from plugin_tools.sim.metrics import met, percentile
 from plugin_tools.sim.sweep import Scenario, make_strategy, slo_capacities
 from plugin_tools.sim.workload import CHAT, Arrivals, SimRequest, generate
 
@@ -114,8 +114,8 @@ def summarize(result: RunResult, s: Setup, joining: int, a100s: list[int]) -> di
     on_a100s = [r for r in window if r.replica in a100s]
     return {
         "share": len(on_it) / len(window) / s.fair_share if window else math.nan,
-        "tpot_p99": _p99([r.tpot for r in on_it]),
-        "a100_tpot_p99": _p99([r.tpot for r in on_a100s]),
+        "tpot_p99": percentile([r.tpot for r in on_it], 99),
+        "a100_tpot_p99": percentile([r.tpot for r in on_a100s], 99),
         "attainment_on_it": _attainment(s, on_it),
         "attainment": _attainment(s, window),
     }

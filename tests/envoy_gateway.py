@@ -20,6 +20,8 @@ from typing import Any
 
 import jsonpath
 
+from tests.helpers import one
+
 Obj = dict[str, Any]
 
 EXT_PROC = "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -30,12 +32,6 @@ STATUS_NAMES = {503: "ServiceUnavailable", 500: "InternalServerError", 502: "Bad
 
 def _type(name: str) -> str:
     return f"type.googleapis.com/{name}"
-
-
-def one(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
-    found = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
-    assert len(found) == 1, f"{len(found)} objects of kind {kind}"
-    return found[0]
 
 
 class EgModel:

@@ -355,6 +355,20 @@ async def wait_idle(session: aiohttp.ClientSession, fleet: LocalFleet, limit_s: 
 YAML_LOADER = yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader
 
 
+def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    """The rendered objects of `kind` (and `name`, when given)."""
+    return [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
+
+
+def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one rendered object of `kind` (and `name`); fails the test unless exactly one."""
+    hits = find(objs, kind, name)
+    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
+    return hits[0]
+
+
 class RenderError(Exception):
     """`kubectl kustomize` refused a kustomization; the message carries kubectl's."""
 

@@ -433,14 +433,11 @@ class PodPool:
     ) -> None:
         """Other gateways' in-flight counts and SLO loads per pod key (replaces the previous
         view; no `loads`: none)."""
-        old, self._remote = self._remote, {k: v for k, v in counts.items() if v > 0}
-        old_load = self._remote_load
+        old = (self._remote, self._remote_load)
+        self._remote = {k: v for k, v in counts.items() if v > 0}
         self._remote_load = {k: v for k, v in (loads or {}).items() if v > 0}
-        for key in old.keys() | self._remote.keys() | old_load.keys() | self._remote_load.keys():
-            if old.get(key) != self._remote.get(key) or old_load.get(key) != self._remote_load.get(
-                key
-            ):
-                self._inflight_changed(key, self._records.get(key))
+        for key in old[0].keys() | old[1].keys() | self._remote.keys() | self._remote_load.keys():
+            self._inflight_changed(key, self._records.get(key))  # changes only what moved
         self._changed()
 
     @property

@@ -43,7 +43,15 @@ from plugin.config import (
 from plugin.core.header_policy import CLIENT_ROUTING_HEADERS
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 from plugin.errors import ConfigError
-from tests.helpers import REPO, YAML_LOADER, Kustomize, RenderError, bootstrap_hcm
+from tests.helpers import (
+    REPO,
+    YAML_LOADER,
+    Kustomize,
+    RenderError,
+    bootstrap_hcm,
+    find,
+    one,
+)
 
 pytestmark = pytest.mark.component
 
@@ -111,18 +119,6 @@ def resource_id(obj: Obj) -> tuple[str, str, str, str]:
 
 def group_of(obj: Obj) -> str:
     return str(obj["apiVersion"]).rpartition("/")[0]
-
-
-def find(objs: list[Obj], kind: str, name: str | None = None) -> list[Obj]:
-    return [
-        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
-    ]
-
-
-def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
-    hits = find(objs, kind, name)
-    assert len(hits) == 1, f"expected one {kind} {name or ''}, found {len(hits)}"
-    return hits[0]
 
 
 def quantity_bytes(value: int | str) -> int:

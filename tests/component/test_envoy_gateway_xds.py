@@ -33,8 +33,8 @@ from plugin.adapters.envoy_config import (
 from plugin.adapters.envoy_config.options import COUNT_FILTER
 from plugin.adapters.steering import PICK_ONLY
 from plugin.config import MAX_REQUEST_HEADERS
-from tests.envoy_gateway import EgModel, Xds, one, patched
-from tests.helpers import Kustomize, bootstrap_hcm, routing_filter
+from tests.envoy_gateway import EgModel, Xds, patched
+from tests.helpers import Kustomize, bootstrap_hcm, one, routing_filter
 
 pytestmark = pytest.mark.component
 
