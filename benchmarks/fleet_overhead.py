@@ -100,13 +100,44 @@ def vllm_page(seed: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve_metrics(port: int) -> None:
-    """The other process: one server on every loopback address, a page per pod."""
+def narrowed(page: str, names: frozenset[str]) -> str:
+    """The page as prometheus_client renders it for a request naming samples (`name[]`): the
+    named samples, each after its family's HELP and TYPE lines."""
+    out: list[str] = []
+    block: list[str] = []  # the comment lines of the family being read
+    shown = after_comment = False
+    for line in page.splitlines():
+        if line.startswith("#"):
+            if not after_comment:
+                block, shown = [], False
+            block.append(line)
+            after_comment = True
+            continue
+        after_comment = False
+        if line.split("{", 1)[0].split(" ", 1)[0] in names:
+            if not shown:
+                out += block
+                shown = True
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def serve_metrics(port: int, by_name: bool) -> None:
+    """The other process: one server on every loopback address, a page per pod. `by_name`: it
+    honours `name[]` as vLLM's prometheus_client exposition does; else it sends the whole page
+    whatever is asked (an engine that ignores the parameters)."""
     pages = [vllm_page(i) for i in range(64)]
+    cache: dict[tuple[int, frozenset[str]], bytes] = {}
 
     async def metrics(request: web.Request) -> web.Response:
         host = request.host.rsplit(":", 1)[0]
-        return web.Response(text=pages[hash(host) % len(pages)], content_type="text/plain")
+        which = hash(host) % len(pages)
+        names = frozenset(request.query.getall("name[]", [])) if by_name else frozenset()
+        body = cache.get((which, names))
+        if body is None:
+            page = pages[which]
+            body = cache[(which, names)] = (narrowed(page, names) if names else page).encode()
+        return web.Response(body=body, content_type="text/plain")
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -206,17 +237,19 @@ async def redis_cost(n: int, port: int) -> float:
 
 
 async def measure(
-    sizes: list[int], metrics_port: int, redis_port: int
-) -> list[tuple[int, float, float, float, float, float]]:
-    await asyncio.sleep(1.5)  # the metrics server and redis-server start
+    sizes: list[int], metrics_ports: tuple[int, int], redis_port: int
+) -> list[tuple[int, float, float, float, float, float, float]]:
+    await asyncio.sleep(1.5)  # the metrics servers and redis-server start
     rows = []
     for n in sizes:
-        scrape_ms, scrape_wall_ms = await scrape_cost(n, metrics_port)
+        scrape_ms, scrape_wall_ms = await scrape_cost(n, metrics_ports[0])
+        whole_ms, _ = await scrape_cost(n, metrics_ports[1])
         added_us, modified_us = discovery_cost(n)
         sync_ms = await redis_cost(n, redis_port)
-        rows.append((n, scrape_ms, scrape_wall_ms, added_us, modified_us, sync_ms))
+        rows.append((n, scrape_ms, scrape_wall_ms, whole_ms, added_us, modified_us, sync_ms))
         print(
-            f"  {n:5d} pods: scrape tick {scrape_ms:.1f} ms CPU, discovery "
+            f"  {n:5d} pods: scrape tick {scrape_ms:.1f} ms CPU ({whole_ms:.1f} whole pages), "
+            "discovery "
             f"{added_us:.0f}/{modified_us:.0f} us per event, Redis sync {sync_ms:.2f} ms",
             file=sys.stderr,
             flush=True,
@@ -238,16 +271,21 @@ def main() -> None:
     parser.add_argument("--pods", default=",".join(map(str, SIZES)))
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--serve-metrics", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--whole-pages", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_metrics:
-        serve_metrics(args.serve_metrics)
+        serve_metrics(args.serve_metrics, by_name=not args.whole_pages)
         return
     sizes = [int(x) for x in args.pods.split(",")]
     redis_binary = shutil.which("redis-server")
     if redis_binary is None:
         raise SystemExit("redis-server not found (apt-get install redis-server)")
-    metrics_port, redis_port = free_port("0.0.0.0"), free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve-metrics", str(metrics_port)])
+    metrics_ports = (free_port("0.0.0.0"), free_port("0.0.0.0"))
+    redis_port = free_port()
+    servers = [
+        subprocess.Popen([sys.executable, __file__, "--serve-metrics", str(port), *extra])
+        for port, extra in zip(metrics_ports, ([], ["--whole-pages"]), strict=True)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         redis = subprocess.Popen(
             [
@@ -257,22 +295,21 @@ def main() -> None:
             stdout=subprocess.DEVNULL,
         )
         try:
-            rows = run_like_serve(measure(sizes, metrics_port, redis_port))
+            rows = run_like_serve(measure(sizes, metrics_ports, redis_port))
         finally:
-            redis.terminate()
-            server.terminate()
-            redis.wait()
-            server.wait()
+            for process in (redis, *servers):
+                process.terminate()
+                process.wait()
     head = (
         "| pods | scrape tick CPU ms | scrape tick wall ms | scraping, share of a core at 1 s "
-        "| ADDED event CPU us | MODIFIED event CPU us | Redis sync CPU ms | Redis sync, share "
-        "of a core at 100 ms |"
+        "| whole pages: scrape tick CPU ms | ADDED event CPU us | MODIFIED event CPU us "
+        "| Redis sync CPU ms | Redis sync, share of a core at 100 ms |"
     )
-    lines = [head, "| --- " * 8 + "|"]
-    for n, scrape_ms, wall_ms, added_us, modified_us, sync_ms in rows:
+    lines = [head, "| --- " * 9 + "|"]
+    for n, scrape_ms, wall_ms, whole_ms, added_us, modified_us, sync_ms in rows:
         lines.append(
-            f"| {n} | {scrape_ms:.1f} | {wall_ms:.0f} | {scrape_ms / 1000:.1%} | {added_us:.0f} "
-            f"| {modified_us:.0f} | {sync_ms:.2f} | {sync_ms / 100:.1%} |"
+            f"| {n} | {scrape_ms:.1f} | {wall_ms:.0f} | {scrape_ms / 1000:.1%} | {whole_ms:.1f} "
+            f"| {added_us:.0f} | {modified_us:.0f} | {sync_ms:.2f} | {sync_ms / 100:.1%} |"
         )
     table = "\n".join(lines)
     print(table)

@@ -122,14 +122,15 @@ class MockEngine:
         self.model = model
         self.name = name
         self.scheduler = BatchScheduler(params)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(self))
         self.request_success_total = 0
+        self.metrics_requests_total = 0  # /metrics pages served, this one included
         self.ttft = _Histogram(_TTFT_BUCKETS)
         self.tpot = _Histogram(_TPOT_BUCKETS)
         # From arrival to the start of the step that admitted it (vLLM: WAITING phase),
         # observed when the request finishes, as vLLM observes it.
         self.queue_time = _Histogram(_REQUEST_TIME_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(self))  # reads the fields above
         self._requests: dict[Hashable, _Request] = {}
         self._ids = itertools.count()
         self._work = asyncio.Event()
@@ -257,6 +258,11 @@ class _EngineCollector:
     def __init__(self, engine: MockEngine) -> None:
         self._engine = engine
 
+    def describe(self) -> Iterable[Metric]:
+        """The families by name, as vLLM's default registry knows its metrics: a page asked
+        for by name (`name[]`) then holds those samples only."""
+        return list(self.collect())
+
     def collect(self) -> Iterable[Metric]:
         engine = self._engine
         sched = engine.scheduler
@@ -309,6 +315,11 @@ class _EngineCollector:
             "vllm:time_per_output_token_seconds",
             "Seconds between consecutive output tokens of a request.",
             engine.tpot,
+        )
+        yield counter(
+            "mock_engine_metrics_requests",
+            "Metrics pages served (scrapes of this engine), this one included.",
+            engine.metrics_requests_total,
         )
         yield gauge(
             "mock_engine_saturated_output_tokens_per_second",
@@ -637,9 +648,15 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    """The page, or only the samples named by `name[]` query parameters, as vLLM's
+    prometheus_client exposition serves them."""
     engine = request.app[_ENGINE_KEY]
+    engine.metrics_requests_total += 1
+    names = request.query.getall("name[]", [])
+    registry = engine.registry.restricted_registry(names) if names else engine.registry
     return web.Response(
-        body=generate_latest(engine.registry), headers={"Content-Type": _METRICS_CONTENT_TYPE}
+        body=generate_latest(registry),
+        headers={"Content-Type": _METRICS_CONTENT_TYPE},
     )
 
 

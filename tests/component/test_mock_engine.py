@@ -760,3 +760,21 @@ async def test_step_costs_change_at_run_time_and_metrics_follow(
             assert (await resp.json())["error"]["type"] == "invalid_request_error"
     async with http.get(url) as resp:
         assert (await resp.json()) == changed  # nothing changed by the bad ones
+
+
+async def test_a_page_asked_for_by_name_holds_those_samples_and_scrapes_are_counted(
+    make_engine: EngineFactory, http: aiohttp.ClientSession
+) -> None:
+    """As vLLM's prometheus_client exposition: `name[]` narrows the page to the named samples
+    (what the gateway's scraper asks for); every page served is counted, this one included."""
+    handle = await make_engine(time_scale=1.0)
+    wanted = ["vllm:num_requests_running", "vllm:request_queue_time_seconds_sum"]
+    query = [("name[]", n) for n in wanted]
+    async with http.get(handle.url + "/metrics", params=query) as resp:
+        assert resp.status == 200
+        page = await resp.text()
+    samples = [line.split("{")[0] for line in page.splitlines() if not line.startswith("#")]
+    assert samples == wanted
+    full = await _metrics(http, handle)
+    assert full["mock_engine_metrics_requests_total"] == 2
+    assert "vllm:kv_cache_usage_perc" in full

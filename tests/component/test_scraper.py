@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import random
 import socket
 import time
@@ -571,7 +572,7 @@ async def test_garbage_body_counts_as_an_unusable_scrape(
 
     await scraper.tick(http)
 
-    assert engine.hits == 1
+    assert engine.hits == 2  # asked by name, then for the whole page in case that holds more
     assert scraper.errors_total == {(pod.key, "unusable"): 1}
     described = pool.snapshot(100.0)["pods"][pod.key]
     assert described["engine"] is None and not described["unreachable"]
@@ -702,6 +703,98 @@ async def test_a_large_page_is_read_whole(serve: ServeFn, http: aiohttp.ClientSe
     candidate = pool.candidates(pod.model, clock())[0]
     assert (candidate.running, candidate.waiting, candidate.kv_usage) == (0, 2.0, 0.5)
     assert pool.snapshot(clock())["pods"][pod.key]["engine"]["running"] == 5.0
+
+
+@dataclass
+class ByNameEngine:
+    """An engine page served by prometheus_client's own restricted registry, as vLLM, SGLang
+    and TensorRT-LLM serve theirs: `name[]` query parameters narrow the page to those samples.
+    Records what each scrape asked for."""
+
+    registry: CollectorRegistry
+    asked: list[list[str]]
+    encodings: list[str]
+    served: list[str]
+
+
+async def _serve_by_name(
+    serve_app: ServeApp, registry: CollectorRegistry
+) -> tuple[int, ByNameEngine]:
+    engine = ByNameEngine(registry, [], [], [])
+
+    async def metrics(request: web.Request) -> web.Response:
+        names = request.query.getall("name[]", [])
+        engine.asked.append(names)
+        engine.encodings.append(request.headers.get("Accept-Encoding", ""))
+        page = generate_latest(registry.restricted_registry(names) if names else registry)
+        engine.served.append(page.decode())
+        return web.Response(body=page, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    return await serve_app(app), engine
+
+
+def _vllm_registry() -> CollectorRegistry:
+    """vLLM's default registry: prometheus_client metrics, which declare their names."""
+    registry = CollectorRegistry(auto_describe=True)
+    labels = {"engine": "0", "model_name": "m"}
+    for name, value in (
+        ("vllm:num_requests_running", 5.0),
+        ("vllm:num_requests_waiting", 1.0),
+        ("vllm:kv_cache_usage_perc", 0.25),
+    ):
+        Gauge(name, name, list(labels), registry=registry).labels(**labels).set(value)
+    Histogram("vllm:e2e_request_latency_seconds", "E2E.", list(labels), registry=registry).labels(
+        **labels
+    ).observe(1.5)
+    return registry
+
+
+async def test_the_scraper_asks_for_its_samples_by_name_uncompressed(
+    serve_app: ServeApp, http: aiohttp.ClientSession
+) -> None:
+    port, engine = await _serve_by_name(serve_app, _vllm_registry())
+    pod = _pod("v", port)
+    pool, scraper = _one_pod_scraper(pod)
+    await scraper.tick(http)
+    assert scraper.errors_total == {}
+    assert "vllm:num_requests_running" in engine.asked[0]
+    assert "vllm:e2e_request_latency_seconds_bucket" not in engine.asked[0]
+    assert engine.encodings == ["identity"]  # prometheus_client gzips a page when asked
+    assert "vllm:e2e_request_latency_seconds" not in engine.served[0]  # the page is narrowed
+    engine_view = pool.snapshot(scraper._clock())["pods"][pod.key]["engine"]
+    assert (engine_view["running"], engine_view["waiting"], engine_view["kv_usage"]) == (
+        5.0,
+        1.0,
+        0.25,
+    )
+
+
+class _Unnamed:
+    """A collector that declares no names (vLLM's multiprocess collector is one): a
+    prometheus_client registry leaves its samples out of a page asked for by name."""
+
+    def collect(self) -> list[Metric]:
+        metric = Metric("vllm:num_requests_running", "Running.", "gauge")
+        metric.add_sample("vllm:num_requests_running", {"model_name": "m"}, 3.0)
+        return [metric]
+
+
+async def test_an_engine_that_drops_named_samples_is_read_whole_from_then_on(
+    serve_app: ServeApp, http: aiohttp.ClientSession
+) -> None:
+    registry = CollectorRegistry()
+    registry.register(_Unnamed())
+    port, engine = await _serve_by_name(serve_app, registry)
+    pod = _pod("mp", port)
+    pool, scraper = _one_pod_scraper(pod)
+    await scraper.tick(http)
+    assert scraper.errors_total == {}
+    assert [bool(names) for names in engine.asked] == [True, False]  # by name, then whole
+    assert pool.snapshot(scraper._clock())["pods"][pod.key]["engine"]["running"] == 3.0
+    await scraper.tick(http)
+    assert [bool(names) for names in engine.asked] == [True, False, False]
 
 
 async def test_a_redirect_is_not_followed(
@@ -889,3 +982,23 @@ def test_only_vllms_token_counter_counts_step_by_step() -> None:
     sglang = parse_engine_metrics("sglang:generation_tokens_total 5\n")
     assert sglang.generation_tokens == 5.0 and not sglang.generation_tokens_stepwise
     assert not parse_engine_metrics("vllm:num_requests_running 1\n").generation_tokens_stepwise
+
+
+@pytest.mark.parametrize(
+    ("line", "value"),
+    [
+        ('vllm:num_requests_running{model_name="a} b"} 3 1700000000000', 3.0),
+        ("vllm:num_requests_running\t4", 4.0),
+        ('vllm:num_requests_running{model_name="m",} +Inf', math.inf),
+    ],
+    ids=["brace-and-space-in-a-label-value-and-a-timestamp", "tab", "trailing-comma-inf"],
+)
+def test_a_value_is_read_after_the_series_whatever_its_labels_hold(line: str, value: float) -> None:
+    assert parse_engine_metrics(line + "\n").running == value
+
+
+def test_a_series_seen_before_is_read_with_its_new_value() -> None:
+    """Label sets are parsed once and remembered; the value is read anew on every page."""
+    first = parse_engine_metrics('vllm:num_requests_running{model_name="m"} 3\n')
+    second = parse_engine_metrics('vllm:num_requests_running{model_name="m"} 7\n')
+    assert (first.running, second.running) == (3.0, 7.0)
