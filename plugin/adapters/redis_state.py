@@ -35,6 +35,16 @@ else the host name):
     hetero-gateway:claims:<gateway id>    list: `IP:PORT request-id` of requests this gateway
                                           routed whose count another gateway took over; emptied
                                           by its owner at each sync, expires after 30 s
+    hetero-gateway:scrapes:<gateway id>   string: JSON `{"seq": n, "pods": {pod key: record}}`,
+                                          what this gateway read from the engines it scraped in
+                                          its last scrape tick (`plugin.adapters.scraper`);
+                                          rewritten every tick, expires soon after a missed one
+
+One scrape per pod per period for the whole gateway fleet: the gateways whose scrapes key
+exists are the live scrapers (each sync checks them), and each pod is scraped by one of them
+(`plugin.core.scrape_share`); the others read its record. A gateway that stops writing drops
+out of the scrapers when its key expires (the scrape period plus half of it, or the scrape
+timeout if longer), and its pods are scraped by the survivors from their next sync on.
 
 The sorted set only lists whom to read (members not seen for five minutes are dropped); liveness
 is the hash's expiry, which Redis enforces with its own clock (7.0 has no per-field expiry, hence
@@ -60,6 +70,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
+import orjson
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -67,6 +78,7 @@ from redis.exceptions import RedisError
 
 from plugin.config import RedisSettings
 from plugin.core.pool import PodPool
+from plugin.core.scrape_share import ScrapeShares
 
 __all__ = [
     "GATEWAYS_KEY",
@@ -77,6 +89,7 @@ __all__ = [
     "claims_key",
     "connect",
     "inflight_key",
+    "scrapes_key",
     "tokens_key",
 ]
 
@@ -119,6 +132,15 @@ def tokens_key(pod_key: str) -> str:
 
 def claims_key(gateway_id: str) -> str:
     return f"{KEY_PREFIX}:claims:{gateway_id}"
+
+
+def scrapes_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}:scrapes:{gateway_id}"
+
+
+# A gateway's scrapes, as another read them: (gateway id, seconds since it wrote them, its
+# write count, {pod key: record}).
+PeerScrapes = tuple[str, float, int, dict[str, Any]]
 
 
 ClaimKey = tuple[str, str]  # (request id, IP:PORT of the pod)
@@ -180,9 +202,17 @@ class RedisState:
         wall_clock: Callable[[], float] = time.time,
         max_backoff_s: float = MAX_BACKOFF_S,
         claims: Claims | None = None,
+        shares: ScrapeShares | None = None,
+        scrape_expiry_s: float = 1.5,
+        on_scrapers_changed: Callable[[], None] | None = None,
     ) -> None:
         self._pool = pool
         self._claims = claims
+        # Scrapes shared with the other gateways (None: this gateway scrapes every pod).
+        self.shares = shares
+        self._scrape_expiry_ms = max(1, round(scrape_expiry_s * 1000))
+        self._scrape_writes = 0
+        self._on_scrapers_changed = on_scrapers_changed
         self.settings = settings
         self._clock = clock
         self._wall = wall_clock
@@ -242,6 +272,9 @@ class RedisState:
                 pipe.zrange(GATEWAYS_KEY, 0, -1)
                 for gateway in others:
                     pipe.hgetall(inflight_key(gateway))
+                if self.shares is not None:
+                    for gateway in others:
+                        pipe.exists(scrapes_key(gateway))
                 for key, tokens in taken.items():
                     pipe.incrby(tokens_key(key), tokens)
                     pipe.expire(tokens_key(key), TOKENS_TTL_S)
@@ -306,6 +339,9 @@ class RedisState:
                 if field != INSTANCE_FIELD and count is not None and count > 0:
                     remote[field] = remote.get(field, 0) + count
         self.other_gateways = contributing
+        if self.shares is not None:
+            alive = replies[7 + len(others) : 7 + 2 * len(others)]
+            self._set_scrapers([g for g, up in zip(others, alive, strict=True) if up])
         totals: dict[str, int | None] = {}
         if pod_keys:
             values = replies[-1]
@@ -346,6 +382,7 @@ class RedisState:
             # What other gateways had in flight is older than their entries would live: drop it.
             self._pool.set_remote_inflight({})
             self.other_gateways = 0
+        self._set_scrapers([])  # unseen, the others may be gone: scrape every pod here
         if self.up:
             self.up = False
             self._reminded_at = now
@@ -365,6 +402,45 @@ class RedisState:
                 self.last_error,
             )
         await self._drop_client()
+
+    def _set_scrapers(self, others: list[str]) -> None:
+        if self.shares is not None and self.shares.set_scrapers(others):
+            log.info("engine scrapes shared by %d gateways", len(self.shares.scrapers))
+            if self._on_scrapers_changed is not None:
+                self._on_scrapers_changed()
+
+    async def exchange_scrapes(self, records: Mapping[str, list[Any]]) -> list[PeerScrapes]:
+        """Publish this tick's scrapes and read the other live scrapers' latest, in one round
+        trip. Raises on a Redis failure (the sync loop handles the connection)."""
+        shares, client = self.shares, self._client
+        if shares is None or client is None or not self.up:
+            return []
+        me = self.settings.gateway_id
+        others = [g for g in shares.scrapers if g != me]
+        self._scrape_writes += 1
+        blob = orjson.dumps({"seq": self._scrape_writes, "pods": records})
+        async with asyncio.timeout(self.timeout_s):
+            pipe = client.pipeline(transaction=False)
+            pipe.set(scrapes_key(me), blob, px=self._scrape_expiry_ms)
+            for gateway in others:
+                pipe.get(scrapes_key(gateway))
+                pipe.pttl(scrapes_key(gateway))
+            replies = await pipe.execute()
+        read: list[PeerScrapes] = []
+        for i, gateway in enumerate(others):
+            text, left_ms = replies[1 + 2 * i], replies[2 + 2 * i]
+            if not text or not isinstance(left_ms, int) or left_ms < 0:
+                continue  # expired between the check and now
+            try:
+                data = orjson.loads(text)
+                seq, pods = int(data["seq"]), data["pods"]
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                log.warning("unreadable scrapes of gateway %s in Redis: ignored", gateway)
+                continue
+            if isinstance(pods, dict):
+                age_s = max(0, self._scrape_expiry_ms - left_ms) / 1000
+                read.append((gateway, age_s, seq, pods))
+        return read
 
     # ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -398,6 +474,7 @@ class RedisState:
                 async with asyncio.timeout(self.timeout_s):
                     pipe = self._client.pipeline(transaction=True)
                     pipe.delete(inflight_key(me))
+                    pipe.delete(scrapes_key(me))  # the others scrape its pods from now on
                     pipe.zrem(GATEWAYS_KEY, me)
                     for key, tokens in taken.items():
                         pipe.incrby(tokens_key(key), tokens)
@@ -424,4 +501,12 @@ class RedisState:
             # Requests whose counting stream reached another gateway than their routing stream.
             "counts_taken_over": None if self._claims is None else self._claims.adopted,
             "counts_handed_over": None if self._claims is None else self._claims.released_elsewhere,
+            # Engine scrapes shared among the gateways (null: each gateway scrapes every pod).
+            "scrapes": None
+            if self.shares is None
+            else {
+                "scrapers": list(self.shares.scrapers),
+                "scraped_here_last_tick": self.shares.scraped,
+                "read_from_peers_last_tick": self.shares.from_peers,
+            },
         }

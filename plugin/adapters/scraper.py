@@ -12,11 +12,14 @@ the request path waits for a scrape. Capacity estimates refresh on the same tick
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +27,7 @@ from yarl import URL
 
 from plugin.adapters.engines import histogram_pairs, metric_names, stepwise_counters
 from plugin.core.pool import PodPool
+from plugin.core.scrape_share import ScrapeShares
 from plugin.core.types import EngineMetrics, Pod
 
 log = logging.getLogger(__name__)
@@ -77,6 +81,39 @@ UNREACHABLE, UNUSABLE = "unreachable", "unusable"  # the causes of a failed scra
 
 class _Unusable(ValueError):
     """The engine answered, with nothing the gateway can use."""
+
+
+class ScrapeExchange(Protocol):
+    """Scrapes shared with the other gateway replicas (`plugin.adapters.redis_state`)."""
+
+    up: bool  # False: this replica scrapes every pod itself
+    shares: ScrapeShares | None
+
+    async def exchange_scrapes(
+        self, records: Mapping[str, list[Any]]
+    ) -> list[tuple[str, float, int, dict[str, Any]]]: ...
+
+
+# A scrape's outcome as the gateways share it: ["ok", stepwise, *the fields below],
+# ["down"] (refused, reset or timed out) or ["unusable", why].
+_SHARED_FIELDS = tuple(
+    f.name for f in dataclasses.fields(EngineMetrics) if f.name != "generation_tokens_stepwise"
+)
+OK, DOWN = "ok", "down"
+
+
+def _encode(metrics: EngineMetrics) -> list[Any]:
+    return [OK, metrics.generation_tokens_stepwise, *(getattr(metrics, f) for f in _SHARED_FIELDS)]
+
+
+def _decode(values: list[Any]) -> EngineMetrics:
+    """Raises ValueError or TypeError for a record of another shape."""
+    if len(values) != 2 + len(_SHARED_FIELDS):
+        raise ValueError("wrong length")
+    fields = {}
+    for name, value in zip(_SHARED_FIELDS, values[2:], strict=True):
+        fields[name] = None if value is None else float(value)
+    return EngineMetrics(**fields, generation_tokens_stepwise=bool(values[1]))
 
 
 # One scan of the page for the wanted lines: a line that starts with a wanted name followed by
@@ -195,9 +232,16 @@ class MetricsScraper:
         interval_s: float,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        exchange: ScrapeExchange | None = None,
     ) -> None:
         self._pool = pool
         self._interval_s = interval_s
+        # Set: the pods are shared out among the gateway replicas that share this exchange.
+        self.exchange = exchange
+        self._seen: dict[str, float] = {}  # pod key -> when the latest scrape of it was made
+        self._outbox: dict[str, tuple[float, list[Any]]] | None = None  # this tick's, to share
+        self._peer_writes: dict[str, int] = {}  # gateway id -> the write of it last read
+        self._wake = asyncio.Event()
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
         self._failing: dict[str, str] = {}  # pod key -> the cause of its failing streak
@@ -269,14 +313,22 @@ class MetricsScraper:
         except _Unusable as exc:
             self._pool.scrape_unusable(pod.key, str(exc))
             self._failed(pod, url, UNUSABLE, str(exc))
+            self._made(pod.key, [UNUSABLE, str(exc)])
             return
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             self._pool.scrape_failed(pod.key)
             self._failed(pod, url, UNREACHABLE, repr(exc))
+            self._made(pod.key, [DOWN])
             return
         if self._failing.pop(pod.key, None) is not None:
             log.info("metrics scrape of %s recovered", pod.key)
         self._pool.update_metrics(pod.key, metrics, self._clock())
+        self._made(pod.key, _encode(metrics) if self._outbox is not None else None)
+
+    def _made(self, key: str, record: list[Any] | None) -> None:
+        now = self._seen[key] = self._clock()
+        if self._outbox is not None and record is not None:
+            self._outbox[key] = (now, record)
 
     def _failed(self, pod: Pod, url: URL, cause: str, why: str) -> None:
         """Count a failed scrape; log the first of a streak of the same cause."""
@@ -318,9 +370,24 @@ class MetricsScraper:
 
     async def tick(self, session: aiohttp.ClientSession) -> None:
         pods = self._pool.pods()
+        exchange = self.exchange
+        shares = None if exchange is None or not exchange.up else exchange.shares
+        if shares is None:
+            mine: Sequence[Pod] = pods
+        else:
+            # This replica's share, and any pod no replica has told about for 2.5 periods (a
+            # replica that just died, one that does not list the pod, this one starting up).
+            # Others' scrapes are read once a tick, up to two periods after they were made.
+            stale = self._clock() - 2.5 * self._interval_s
+            seen = self._seen
+            mine = [p for p in pods if shares.mine(p.key) or seen.get(p.key, -math.inf) < stale]
+            self._outbox = {}
         try:
-            await self.scrape_all(session, pods)
+            await self.scrape_all(session, mine)
+            if exchange is not None and shares is not None:
+                await self._trade(exchange, shares, {p.key for p in mine})
         finally:
+            self._outbox = None
             self._pool.refresh_capacity(self._clock())
             if self._pool.loaded:
                 self.first_round.set()
@@ -332,6 +399,61 @@ class MetricsScraper:
             del self.errors_total[key]
         for gone in self._failing.keys() - present:
             del self._failing[gone]
+        if len(self._seen) > 2 * len(pods) + 64:
+            self._seen = {k: v for k, v in self._seen.items() if k in present}
+        if shares is not None:
+            shares.forget(present)
+
+    async def _trade(
+        self, exchange: ScrapeExchange, shares: ScrapeShares, scraped: set[str]
+    ) -> None:
+        """Publish this tick's scrapes; apply the other replicas' newer ones."""
+        outbox = self._outbox or {}
+        now = self._clock()
+        records = {key: [round(now - at, 3), *record] for key, (at, record) in outbox.items()}
+        try:
+            peers = await exchange.exchange_scrapes(records)
+        except Exception as exc:  # Redis trouble: the sync loop reports it; pods go stale
+            log.debug("exchanging scrapes failed: %r", exc)
+            peers = []
+        now = self._clock()
+        applied = 0
+        for gateway, age_s, writes, pods in peers:
+            if self._peer_writes.get(gateway) == writes:
+                continue  # read before
+            self._peer_writes[gateway] = writes
+            for key, record in pods.items():
+                if key not in scraped and self._apply(key, record, now - age_s):
+                    applied += 1
+        for gone in self._peer_writes.keys() - set(shares.scrapers):
+            del self._peer_writes[gone]
+        shares.scraped, shares.from_peers = len(scraped), applied
+
+    def _apply(self, key: str, record: Any, written_at: float) -> bool:
+        """Another replica's scrape of a pod, made `record[0]` s before `written_at`; applied
+        when newer than what this replica knows of the pod. A record of another shape is
+        skipped."""
+        try:
+            made_at = written_at - float(record[0])
+            if made_at <= self._seen.get(key, -math.inf):
+                return False
+            kind = record[1]
+            if kind == OK:
+                self._pool.update_metrics(key, _decode(record[1:]), made_at)
+            elif kind == DOWN:
+                self._pool.scrape_failed(key)
+            elif kind == UNUSABLE:
+                self._pool.scrape_unusable(key, str(record[2]))
+            else:
+                return False
+        except (IndexError, TypeError, ValueError):
+            return False
+        self._seen[key] = made_at
+        return True
+
+    def wake(self) -> None:
+        """Run the next tick now (the replicas sharing the scrapes changed)."""
+        self._wake.set()
 
     def probe(self, pod: Pod) -> None:
         """Scrape this pod now, outside the tick (a request on it just failed): a dead engine
@@ -368,7 +490,12 @@ class MetricsScraper:
                         log.exception("metrics refresh failed")
                     # A tick that overran does not make the next ones run back to back.
                     next_at = max(next_at + self._interval_s, self._clock())
-                    await asyncio.sleep(next_at - self._clock())
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), next_at - self._clock())
+                        # Woken: the scrapers changed, and pods of one that left are this
+                        # replica's now. The period restarts from this tick.
+                        next_at = self._clock()
             finally:
                 watch.cancel()
 

@@ -30,6 +30,7 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.profile import ProfileBook
 from plugin.core.router import Router
+from plugin.core.scrape_share import ScrapeShares
 from plugin.core.strategies import Strategy, build_strategies
 from plugin.core.strategies.gate import ImbalanceGate
 from plugin.core.strategies.prefix_cache import prefix_stats
@@ -184,7 +185,22 @@ class Gateway:
         if settings.redis is not None:
             from plugin.adapters.redis_state import RedisState
 
-            self.shared = RedisState(self.pool, settings.redis, claims=self.servicer.handoff)
+            shares = (
+                ScrapeShares(settings.redis.gateway_id) if settings.redis.shared_scrape else None
+            )
+            interval, timeout = settings.metric_refresh_interval_s, settings.scrape_timeout_s
+            self.shared = RedisState(
+                self.pool,
+                settings.redis,
+                claims=self.servicer.handoff,
+                shares=shares,
+                # A replica's scrapes outlive one missed tick by half a period (or a scrape's
+                # timeout): its pods move to the others within two periods of its last tick.
+                scrape_expiry_s=interval + max(interval / 2, timeout),
+                on_scrapers_changed=self.scraper.wake,
+            )
+            if shares is not None:
+                self.scraper.exchange = self.shared
         self.profile_loader: ProfileLoader | None = None
         if settings.profile_dir is not None:
             self.profile_loader = DirectoryProfiles(

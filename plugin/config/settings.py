@@ -60,6 +60,7 @@ from plugin.config.variables import (
     REMOVED_VARS,
     ROUTING_ALGORITHM,
     SCRAPE_TIMEOUT_MS,
+    SHARED_SCRAPE,
     SLO_MAX_WAIT_MS,
     TRACING,
     WORKERS,
@@ -86,6 +87,7 @@ class RedisSettings:
     gateway_id: str = "gateway"
     sync_interval_s: float = REDIS_SYNC_MS.default / 1000.0
     ttl_s: float = REDIS_TTL_MS.default / 1000.0
+    shared_scrape: bool = SHARED_SCRAPE.default
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,7 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
     password = REDIS_PASSWORD.read(env)
     db = REDIS_DB.read(env)
     name, namespace = POD_NAME.read(env), POD_NAMESPACE.read(env)
+    shared_scrape = SHARED_SCRAPE.read(env)
     if host is None:
         return None
     name = name or socket.gethostname() or "gateway"
@@ -189,6 +192,7 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
         gateway_id=f"{namespace}/{name}" if namespace else name,
         sync_interval_s=sync_ms / 1000.0,
         ttl_s=ttl_ms / 1000.0,
+        shared_scrape=shared_scrape,
     )
 
 

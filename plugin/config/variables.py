@@ -390,6 +390,15 @@ REDIS_TTL_MS: Var[int] = Var(
     " the others' view this long after its last sync.",
     also=">= 2 x sync",
 )
+SHARED_SCRAPE: Var[bool] = Var(
+    "HETERO_GATEWAY_SHARED_SCRAPE",
+    Bool(),
+    True,
+    "Share engine scrapes among the gateway replicas: each engine is scraped by one replica per"
+    " period and the others read what it published; a replica's share moves to the others"
+    " within two periods when it stops. `false`: every replica scrapes every engine.",
+    also="needs `REDIS_HOST`",
+)
 TRACING: Var[bool] = Var(
     "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG",
     Bool(),
@@ -487,6 +496,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     POD_NAMESPACE,
     REDIS_SYNC_MS,
     REDIS_TTL_MS,
+    SHARED_SCRAPE,
     TRACING,
     OPTIMIZER_PORT,
     OPTIMIZER_LOOKBACK_S,
