@@ -102,7 +102,8 @@ _SHARED_FIELDS = tuple(
 OK, DOWN = "ok", "down"
 
 
-def _encode(metrics: EngineMetrics) -> list[Any]:
+def encode_scrape(metrics: EngineMetrics) -> list[Any]:
+    """A successful scrape as the gateways share it."""
     return [OK, metrics.generation_tokens_stepwise, *(getattr(metrics, f) for f in _SHARED_FIELDS)]
 
 
@@ -241,6 +242,7 @@ class MetricsScraper:
         self._seen: dict[str, float] = {}  # pod key -> when the latest scrape of it was made
         self._outbox: dict[str, tuple[float, list[Any]]] | None = None  # this tick's, to share
         self._peer_writes: dict[str, int] = {}  # gateway id -> the write of it last read
+        self._last_tick_at: float | None = None  # the start of the previous shared tick
         self._wake = asyncio.Event()
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._clock = clock
@@ -323,7 +325,7 @@ class MetricsScraper:
         if self._failing.pop(pod.key, None) is not None:
             log.info("metrics scrape of %s recovered", pod.key)
         self._pool.update_metrics(pod.key, metrics, self._clock())
-        self._made(pod.key, _encode(metrics) if self._outbox is not None else None)
+        self._made(pod.key, encode_scrape(metrics) if self._outbox is not None else None)
 
     def _made(self, key: str, record: list[Any] | None) -> None:
         now = self._seen[key] = self._clock()
@@ -375,10 +377,14 @@ class MetricsScraper:
         if shares is None:
             mine: Sequence[Pod] = pods
         else:
-            # This replica's share, and any pod no replica has told about for 2.5 periods (a
-            # replica that just died, one that does not list the pod, this one starting up).
-            # Others' scrapes are read once a tick, up to two periods after they were made.
-            stale = self._clock() - 2.5 * self._interval_s
+            # This replica's share, and any pod no replica has told about since 1.5 periods
+            # before the previous tick (a replica that just died, one that does not list the
+            # pod, this one starting up): others' scrapes are read once a tick, up to two
+            # periods after they were made. Counted from the previous tick, not from now, so
+            # that ticks that run late (a busy event loop) do not scrape every pod.
+            now = self._clock()
+            last, self._last_tick_at = self._last_tick_at, now
+            stale = (now if last is None else last) - 1.5 * self._interval_s
             seen = self._seen
             mine = [p for p in pods if shares.mine(p.key) or seen.get(p.key, -math.inf) < stale]
             self._outbox = {}
@@ -481,9 +487,15 @@ class MetricsScraper:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             self._session = session
             watch = asyncio.get_running_loop().create_task(self._watch_silence())
+            task = asyncio.current_task()
             try:
                 next_at = self._clock()
                 while True:
+                    # The Redis client (the scrape exchange) can swallow a cancellation that
+                    # lands as its call completes on Python 3.11; the task stays marked as
+                    # cancelling, so honour that here, or stopping would wait forever.
+                    if task is not None and task.cancelling():
+                        raise asyncio.CancelledError
                     try:
                         await self.tick(session)
                     except Exception:  # a bug here must not stop scraping for good
@@ -491,8 +503,10 @@ class MetricsScraper:
                     # A tick that overran does not make the next ones run back to back.
                     next_at = max(next_at + self._interval_s, self._clock())
                     self._wake.clear()
+                    # `asyncio.timeout`, not `wait_for` (which can swallow a cancellation too).
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), next_at - self._clock())
+                        async with asyncio.timeout(max(0.0, next_at - self._clock())):
+                            await self._wake.wait()
                         # Woken: the scrapers changed, and pods of one that left are this
                         # replica's now. The period restarts from this tick.
                         next_at = self._clock()

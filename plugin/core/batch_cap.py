@@ -180,14 +180,15 @@ class BatchCap:
         if qs is None or qc is None or ls is None or lc is None:
             self._clock = None
             return None
-        now_sums = (qs, qc, ls, lc)
-        if not all(0 <= v < math.inf for v in now_sums):  # NaN, inf, negative
-            self._clock = None
+        inf = math.inf
+        if not (0 <= qs < inf and 0 <= qc < inf and 0 <= ls < inf and 0 <= lc < inf):
+            self._clock = None  # NaN, inf, negative
             return None
-        last, self._clock = self._clock, now_sums
+        last, self._clock = self._clock, (qs, qc, ls, lc)
         if last is None:
             return None
-        waited, admitted, latency, tokens = (a - b for a, b in zip(now_sums, last, strict=True))
+        # Spelled out, not zipped: this runs for every pod on every scrape tick.
+        waited, admitted, latency, tokens = qs - last[0], qc - last[1], ls - last[2], lc - last[3]
         if min(waited, admitted, latency, tokens) < 0 or tokens <= 0:
             return None  # a restarted engine, or one that ran no step
         if admitted <= 0:

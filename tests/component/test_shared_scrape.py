@@ -75,6 +75,10 @@ class Replica:
         tasks, self.tasks = self.tasks, []
         for task in tasks:
             task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=5.0)
+            if not done:
+                task.print_stack()
+                pytest.fail(f"{task.get_name()} of {self.name} did not stop when cancelled")
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
