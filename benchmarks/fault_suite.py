@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import math
 import os
 import signal
 import sys
@@ -542,6 +544,9 @@ async def cancelled_streams(tmp: Path, count: int = 200) -> Row:
     )
 
 
+SCRAPE_WINDOW_S = 5.0
+
+
 async def _replica_fleet(
     tmp: Path, redis: RedisServer, count: int, **spec: Any
 ) -> tuple[LocalFleet, list[ExtraGateway]]:
@@ -573,6 +578,44 @@ async def _all_replicas_envoy(fleet: LocalFleet, replicas: list[ExtraGateway]) -
     return f"http://127.0.0.1:{port}"
 
 
+SCRAPES = "mock_engine_metrics_requests_total"
+
+
+async def _scrapes(session: aiohttp.ClientSession, engines: list[str]) -> list[float]:
+    """Each engine's count of the metrics pages it served (this read included)."""
+    counts = []
+    for url in engines:
+        async with session.get(f"{url}/metrics", params=[("name[]", SCRAPES)]) as resp:
+            page = await resp.text()
+        samples = (s for f in text_string_to_metric_families(page) for s in f.samples)
+        counts.append(next(s.value for s in samples if s.name == SCRAPES))
+    return counts
+
+
+async def _scrape_times(
+    session: aiohttp.ClientSession, engines: list[str], duration_s: float, poll_s: float = 0.05
+) -> list[list[float]]:
+    """When each engine was scraped by a gateway, to within `poll_s`: each poll counts itself
+    once, so a count that grew by more than one between polls saw a gateway's scrape."""
+    times: list[list[float]] = [[] for _ in engines]
+    last = await _scrapes(session, engines)
+    end = time.monotonic() + duration_s
+    while time.monotonic() < end:
+        await asyncio.sleep(poll_s)
+        now, counts = time.monotonic(), await _scrapes(session, engines)
+        for i, (a, b) in enumerate(zip(last, counts, strict=True)):
+            if b - a > 1:
+                times[i].append(now)
+        last = counts
+    return times
+
+
+def _longest_gap(times: list[float], since: float) -> float:
+    """The longest time between a gateway's scrapes of one engine from `since` on."""
+    marks = [since, *(t for t in times if t > since)]
+    return max(b - a for a, b in itertools.pairwise(marks)) if len(marks) > 1 else math.inf
+
+
 async def plugin_replicas(tmp: Path, count: int = 3) -> Row:
     """`count` plugin replicas behind one Envoy cluster (Envoy spreads each request's routing
     and counting streams over them on its own), long generations streaming, one replica killed
@@ -588,19 +631,30 @@ async def plugin_replicas(tmp: Path, count: int = 3) -> Row:
                 replicas[0],
                 [fleet.plugin_url, *(r.plugin_url for r in replicas[1:])],
             )
+            engines = [e.url for e in fleet.engines]
             timeout = aiohttp.ClientTimeout(total=120)
             async with aiohttp.ClientSession(timeout=timeout) as session:
+                # Scrapes per engine per period with every replica up (period: 1 s).
+                before, t_before = await _scrapes(session, engines), time.monotonic()
+                await asyncio.sleep(SCRAPE_WINDOW_S)
+                after, t_after = await _scrapes(session, engines), time.monotonic()
+                per_period = [
+                    (b - a - 1) / (t_after - t_before) for a, b in zip(before, after, strict=True)
+                ]
                 t0 = time.monotonic()
                 streams = [
                     asyncio.create_task(_one(session, url, _chat(200), t0)) for _ in range(12)
                 ]
                 load = asyncio.create_task(_offer(url, 8.0, 4.0, 16))
+                watch = asyncio.create_task(_scrape_times(session, engines, 6.0))
                 await asyncio.sleep(1.5)
                 assert victim.plugin is not None
                 victim.plugin.kill()
+                killed_at = time.monotonic()
                 outcomes = await asyncio.gather(*streams)
                 short = await load
                 ended = time.monotonic()
+                scraped_at = await watch
 
             async def idle() -> bool:
                 for plugin in survivors:
@@ -621,7 +675,12 @@ async def plugin_replicas(tmp: Path, count: int = 3) -> Row:
             await fleet.stop()
     cut = sum(not o.complete for o in outcomes)
     failed_short = sum(o.status != 200 for o in short)
-    met = cut == 0 and freed_s is not None
+    # From the last scrape before the kill: the longest an engine went unscraped across it.
+    gap = max(
+        _longest_gap(times, max((t for t in times if t <= killed_at), default=killed_at))
+        for times in scraped_at
+    )
+    met = cut == 0 and freed_s is not None and max(per_period) <= 1.2 and gap <= 2.0
     freed_text = "not within 10 s" if freed_s is None else f"{freed_s:.2f} s after the last"
     return Row(
         f"{count} plugin replicas behind one cluster, one killed -9",
@@ -629,10 +688,15 @@ async def plugin_replicas(tmp: Path, count: int = 3) -> Row:
         cut + failed_short,
         cut=cut,
         measure=f"{cut} of {len(outcomes)} generations cut; in flight at 0 on every survivor "
-        f"{freed_text}; {failed_short} of {len(short)} short requests failed",
-        target="0 cut, counts at 0",
+        f"{freed_text}; {failed_short} of {len(short)} short requests failed; each engine "
+        f"scraped {min(per_period):.2f}-{max(per_period):.2f} times a period with all "
+        f"{count} up; the longest an engine went unscraped across the kill {gap:.2f} s",
+        target="0 cut, counts at 0, each engine scraped once a period, taken over within two",
         met=met,
         notes=[
+            "scrapes counted on the engines (`mock_engine_metrics_requests_total`, the reads of"
+            " this benchmark left out); the period is 1 s; unscraped time measured by polling"
+            " every engine's count every 50 ms from the kill's 1.5 s before to 4.5 s after",
             f"{taken_over} counts taken over by a survivor whose counting stream got a request"
             " routed by another replica (Redis carries the claim back)",
             "short requests whose routing stream was on the killed replica when it died, or"

@@ -207,7 +207,7 @@ async def shared_scrape_cost(n: int, port: int, redis_port: int) -> float:
                         token_latency_sum=0.02 * seq,
                         token_latency_count=float(seq),
                     )
-                    records[pod.key] = [0.05, *encode_scrape(metrics)]
+                    records[pod.key] = [0.0, *encode_scrape(metrics)]  # just scraped
             blob = orjson.dumps({"seq": seq, "pods": records})
             pipe.set(scrapes_key(peer), blob, px=60_000)
         await pipe.execute()

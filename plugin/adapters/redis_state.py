@@ -35,6 +35,10 @@ else the host name):
     hetero-gateway:claims:<gateway id>    list: `IP:PORT request-id` of requests this gateway
                                           routed whose count another gateway took over; emptied
                                           by its owner at each sync, expires after 30 s
+    hetero-gateway:prefixes               stream: per entry, a gateway's prompts routed since its
+                                          previous sync (`g`: its id, `e`: JSON list of [pod key,
+                                          block hashes]), read by the others into their
+                                          `prefix-cache` index; about the last 2,000 entries kept
     hetero-gateway:scrapes:<gateway id>   string: JSON `{"seq": n, "pods": {pod key: record}}`,
                                           what this gateway read from the engines it scraped in
                                           its last scrape tick (`plugin.adapters.scraper`);
@@ -78,6 +82,7 @@ from redis.exceptions import RedisError
 
 from plugin.config import RedisSettings
 from plugin.core.pool import PodPool
+from plugin.core.prefix import PrefixIndex
 from plugin.core.scrape_share import ScrapeShares
 
 __all__ = [
@@ -85,6 +90,7 @@ __all__ = [
     "INSTANCE_FIELD",
     "KEY_PREFIX",
     "LOAD_PREFIX",
+    "PREFIXES_KEY",
     "RedisState",
     "claims_key",
     "connect",
@@ -97,6 +103,9 @@ log = logging.getLogger(__name__)
 
 KEY_PREFIX = "hetero-gateway"
 GATEWAYS_KEY = f"{KEY_PREFIX}:gateways"
+PREFIXES_KEY = f"{KEY_PREFIX}:prefixes"
+PREFIXES_KEPT = 2000  # stream entries (one per gateway per sync with prompts to publish)
+PREFIXES_READ = 500  # entries read per sync at most: a gateway far behind catches up over syncs
 INSTANCE_FIELD = "~instance"  # never a pod key: those always hold a "/"
 LOAD_PREFIX = "~load:"  # a pod's SLO load field: the prefix, then the pod key
 TOKENS_TTL_S = 3600
@@ -205,6 +214,7 @@ class RedisState:
         shares: ScrapeShares | None = None,
         scrape_expiry_s: float = 1.5,
         on_scrapers_changed: Callable[[], None] | None = None,
+        prefixes: PrefixIndex | None = None,
     ) -> None:
         self._pool = pool
         self._claims = claims
@@ -213,6 +223,10 @@ class RedisState:
         self._scrape_expiry_ms = max(1, round(scrape_expiry_s * 1000))
         self._scrape_writes = 0
         self._on_scrapers_changed = on_scrapers_changed
+        # The prefix-cache index shared with the other gateways (None: each keeps its own).
+        self._prefixes = prefixes
+        self._prefixes_read: str | None = None  # the last stream entry read
+        self.prefixes_added = 0  # prompts the other gateways routed, added to the index
         self.settings = settings
         self._clock = clock
         self._wall = wall_clock
@@ -249,6 +263,8 @@ class RedisState:
         me = self.settings.gateway_id
         taken = pool.take_unpublished_tokens()
         owed = {} if self._claims is None else self._claims.take_claims()
+        prefixes = self._prefixes
+        routed = [] if prefixes is None else prefixes.take_recorded()
         pod_keys = [p.key for p in pool.pods()]
         local = {k: str(n) for k in pod_keys if (n := pool.inflight(k)) > 0}
         local.update(
@@ -286,29 +302,70 @@ class RedisState:
                         pipe.expire(claims_key(origin), CLAIMS_TTL_S)
                     pipe.lrange(claims_key(me), 0, -1)
                     pipe.delete(claims_key(me))
+                if prefixes is not None:
+                    if routed:
+                        pipe.xadd(
+                            PREFIXES_KEY,
+                            {"g": me, "e": orjson.dumps(routed)},
+                            maxlen=PREFIXES_KEPT,
+                            approximate=True,
+                        )
+                    if self._prefixes_read is None:  # from now on: history is not replayed
+                        pipe.xrevrange(PREFIXES_KEY, count=1)
+                    else:
+                        pipe.xread({PREFIXES_KEY: self._prefixes_read}, count=PREFIXES_READ)
                 replies = await pipe.execute()
+            if prefixes is not None:
+                # The prefixes come last: the replies before them keep their places.
+                self._read_prefixes(prefixes, replies[-1])
+                replies = replies[: -2 if routed else -1]
             if self._claims is not None:
                 # The claims come last: the replies before them keep their places.
                 self._claims.claimed_elsewhere(_claim_keys(replies[-2]))
                 replies = replies[: -2 - 2 * len(owed)]
             self._succeeded(replies, others, pod_keys)
         except asyncio.CancelledError:
-            self._give_back(taken, owed)
+            self._give_back(taken, owed, routed)
             raise
         except (RedisError, OSError, TimeoutError) as exc:
-            await self._failed(exc, taken, owed)
+            await self._failed(exc, taken, owed, routed)
             return False
         except Exception as exc:  # a bug or an unexpected reply must not end the loop
             log.exception("shared state sync failed unexpectedly")
-            await self._failed(exc, taken, owed)
+            await self._failed(exc, taken, owed, routed)
             return False
         return True
 
-    def _give_back(self, taken: Mapping[str, int], owed: dict[str, list[ClaimKey]]) -> None:
+    def _read_prefixes(self, prefixes: PrefixIndex, reply: Any) -> None:
+        """Add the prompts the other gateways routed (stream entries after the last read)."""
+        if self._prefixes_read is None:  # the newest entry, or none yet
+            self._prefixes_read = str(reply[0][0]) if reply else "0-0"
+            return
+        entries: list[Any] = reply[0][1] if reply else []  # [[stream, entries]]
+        me = self.settings.gateway_id
+        for entry_id, fields in entries:
+            self._prefixes_read = str(entry_id)
+            if fields.get("g") == me:
+                continue
+            try:
+                for pod_key, hashes in orjson.loads(fields["e"]):
+                    prefixes.add(str(pod_key), [int(h) for h in hashes])
+                    self.prefixes_added += 1
+            except (KeyError, TypeError, ValueError, orjson.JSONDecodeError):
+                log.warning("unreadable prefix entry %s in Redis: skipped", entry_id)
+
+    def _give_back(
+        self,
+        taken: Mapping[str, int],
+        owed: dict[str, list[ClaimKey]],
+        routed: list[tuple[str, list[int]]] | None = None,
+    ) -> None:
         """What a failed round trip did not deliver waits for the next one."""
         self._pool.leave_shared_tokens(taken)
         if self._claims is not None and owed:
             self._claims.return_claims(owed)
+        if self._prefixes is not None and routed:
+            self._prefixes.return_recorded(routed)
 
     def _succeeded(self, replies: list[Any], others: list[str], pod_keys: list[str]) -> None:
         previous_instance = replies[0]
@@ -372,9 +429,13 @@ class RedisState:
             )
 
     async def _failed(
-        self, exc: BaseException, taken: Mapping[str, int], owed: dict[str, list[ClaimKey]]
+        self,
+        exc: BaseException,
+        taken: Mapping[str, int],
+        owed: dict[str, list[ClaimKey]],
+        routed: list[tuple[str, list[int]]] | None = None,
     ) -> None:
-        self._give_back(taken, owed)
+        self._give_back(taken, owed, routed)
         self.sync_errors_total += 1
         self.last_error = describe_error(exc)
         now = self._clock()
@@ -501,6 +562,9 @@ class RedisState:
             # Requests whose counting stream reached another gateway than their routing stream.
             "counts_taken_over": None if self._claims is None else self._claims.adopted,
             "counts_handed_over": None if self._claims is None else self._claims.released_elsewhere,
+            # Prompts other gateways routed, added to this one's prefix-cache index (null: the
+            # index is not shared).
+            "prefixes_added": None if self._prefixes is None else self.prefixes_added,
             # Engine scrapes shared among the gateways (null: each gateway scrapes every pod).
             "scrapes": None
             if self.shares is None

@@ -28,12 +28,13 @@ from plugin.config import Settings
 from plugin.core.auth import BearerToken
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
+from plugin.core.prefix import PrefixIndex
 from plugin.core.profile import ProfileBook
 from plugin.core.router import Router
 from plugin.core.scrape_share import ScrapeShares
 from plugin.core.strategies import Strategy, build_strategies
 from plugin.core.strategies.gate import ImbalanceGate
-from plugin.core.strategies.prefix_cache import prefix_stats
+from plugin.core.strategies.prefix_cache import PrefixCache, prefix_stats
 from plugin.core.types import Pod
 from plugin.errors import ConfigError, ShuttingDown
 
@@ -198,6 +199,7 @@ class Gateway:
                 # timeout): its pods move to the others within two periods of its last tick.
                 scrape_expiry_s=interval + max(interval / 2, timeout),
                 on_scrapers_changed=self.scraper.wake,
+                prefixes=self._shared_prefix_index(settings.redis.shared_prefix_index),
             )
             if shares is not None:
                 self.scraper.exchange = self.shared
@@ -220,6 +222,14 @@ class Gateway:
         self._discovered = asyncio.Event()  # discovery delivered its first list
         # Free native memory back to the OS after bursts of large bodies (glibc only).
         self.trimmer = MemoryTrimmer.for_this_process()
+
+    def _shared_prefix_index(self, wanted: bool) -> PrefixIndex | None:
+        """The prefix-cache index, made shared, when the gateway has one and sharing is on."""
+        strategy = self._prefix_cache
+        if not wanted or not isinstance(strategy, PrefixCache):
+            return None
+        strategy.index.share()
+        return strategy.index
 
     def _on_pods(self, pods: list[Pod]) -> None:
         first = not self.pool.loaded

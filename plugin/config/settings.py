@@ -60,6 +60,7 @@ from plugin.config.variables import (
     REMOVED_VARS,
     ROUTING_ALGORITHM,
     SCRAPE_TIMEOUT_MS,
+    SHARED_PREFIX_INDEX,
     SHARED_SCRAPE,
     SLO_MAX_WAIT_MS,
     TRACING,
@@ -88,6 +89,7 @@ class RedisSettings:
     sync_interval_s: float = REDIS_SYNC_MS.default / 1000.0
     ttl_s: float = REDIS_TTL_MS.default / 1000.0
     shared_scrape: bool = SHARED_SCRAPE.default
+    shared_prefix_index: bool = SHARED_PREFIX_INDEX.default
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +183,7 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
     db = REDIS_DB.read(env)
     name, namespace = POD_NAME.read(env), POD_NAMESPACE.read(env)
     shared_scrape = SHARED_SCRAPE.read(env)
+    shared_prefix_index = SHARED_PREFIX_INDEX.read(env)
     if host is None:
         return None
     name = name or socket.gethostname() or "gateway"
@@ -193,6 +196,7 @@ def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
         sync_interval_s=sync_ms / 1000.0,
         ttl_s=ttl_ms / 1000.0,
         shared_scrape=shared_scrape,
+        shared_prefix_index=shared_prefix_index,
     )
 
 

@@ -399,6 +399,15 @@ SHARED_SCRAPE: Var[bool] = Var(
     " within two periods when it stops. `false`: every replica scrapes every engine.",
     also="needs `REDIS_HOST`",
 )
+SHARED_PREFIX_INDEX: Var[bool] = Var(
+    "HETERO_GATEWAY_SHARED_PREFIX_INDEX",
+    Bool(),
+    True,
+    "Share the `prefix-cache` index among the gateway replicas: each publishes the prompts it"
+    " routed at its sync and adds the others', so a prefix matches the same pods whichever"
+    " replica routes it. `false`: each replica learns only what it routed.",
+    also="needs `REDIS_HOST`",
+)
 TRACING: Var[bool] = Var(
     "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG",
     Bool(),
@@ -497,6 +506,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     REDIS_SYNC_MS,
     REDIS_TTL_MS,
     SHARED_SCRAPE,
+    SHARED_PREFIX_INDEX,
     TRACING,
     OPTIMIZER_PORT,
     OPTIMIZER_LOOKBACK_S,

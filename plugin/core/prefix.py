@@ -11,7 +11,13 @@ caches leave it. Each block's hash is chained with the previous one's, the chain
 the model's name, so one hash names the model and the whole prefix up to the end of its block:
 a block seen after another start never matches. Python's `hash` of a (previous, block) tuple is
 the hash: 64 bits, salted per process like AIBrix's seeded xxhash, so the index stays private to
-this gateway.
+this gateway. An index shared with other gateway replicas (`share`) hashes with BLAKE2b instead
+(64 bits of it, each block's digest keyed by the previous one), the same in every process: a
+prefix one replica routed then matches at every replica, about 0.4 us a block dearer.
+
+Shared, the index keeps what it records in an outbox (`take_recorded`: pod key and block hashes
+per routed prompt, bounded) for the shared-state sync to publish, and adds what the other
+replicas routed (`add`) as if it had routed it, most recent.
 
 The index maps each hash to the pods the prefix was sent to. Its memory is bounded by
 `max_blocks` hashes over all models (AIBrix's `AIBRIX_PREFIX_CACHE_BLOCK_NUMBER`, one entry per
@@ -38,8 +44,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from hashlib import blake2b
 
-__all__ = ["PART_SEPARATOR", "PrefixIndex", "block_hashes"]
+__all__ = ["PART_SEPARATOR", "PrefixIndex", "block_hashes", "stable_block_hashes"]
+
+# Prompts recorded but not yet published, at most (the oldest go first while the sync fails).
+MAX_OUTBOX = 10_000
 
 # Between a prompt's parts (chat messages, text parts), standing for the chat template's markers
 # the engine sees there: ["ab", "c"] and ["a", "bc"] are different prompts.
@@ -57,13 +67,36 @@ def block_hashes(model: str, parts: Sequence[str], block_chars: int) -> list[int
     ]
 
 
+def stable_block_hashes(model: str, parts: Sequence[str], block_chars: int) -> list[int]:
+    """`block_hashes` with BLAKE2b: the same chain in every process (blocks of the UTF-8 text)."""
+    text = parts[0] if len(parts) == 1 else PART_SEPARATOR.join(parts)
+    data = text.encode()
+    end = len(data) - len(data) % block_chars
+    digest = blake2b(model.encode(), digest_size=8).digest()
+    found = []
+    for start in range(0, end, block_chars):
+        digest = blake2b(data[start : start + block_chars], digest_size=8, key=digest).digest()
+        found.append(int.from_bytes(digest))
+    return found
+
+
 class PrefixIndex:
     """Per model, the prompt prefixes (as block-hash chains) each pod was sent, LRU-bounded.
 
     Pods are named by key (`Pod.key`). Not thread-safe: the router uses it from one thread.
     """
 
-    __slots__ = ("_blocks", "_depth", "_hashes", "_model", "_parts", "block_chars", "max_blocks")
+    __slots__ = (
+        "_blocks",
+        "_depth",
+        "_hash",
+        "_hashes",
+        "_model",
+        "_outbox",
+        "_parts",
+        "block_chars",
+        "max_blocks",
+    )
 
     def __init__(self, block_chars: int = 128, max_blocks: int = 200_000) -> None:
         if block_chars < 1 or max_blocks < 1:
@@ -80,6 +113,41 @@ class PrefixIndex:
         self._model = ""
         self._hashes: list[int] = []
         self._depth: dict[str, int] | None = None
+        self._hash = block_hashes
+        # Shared (`share`): what was recorded since the last `take_recorded`.
+        self._outbox: list[tuple[str, list[int]]] | None = None
+
+    def share(self) -> None:
+        """Take part in an index shared by gateway replicas: stable hashes from now on (the
+        index starts empty) and an outbox of what is recorded."""
+        self._hash = stable_block_hashes
+        self._blocks.clear()
+        self._parts, self._hashes, self._depth = None, [], None
+        self._outbox = []
+
+    @property
+    def shared(self) -> bool:
+        return self._outbox is not None
+
+    def take_recorded(self) -> list[tuple[str, list[int]]]:
+        """(pod key, block hashes) of each prompt recorded since the last call, oldest first."""
+        taken = self._outbox
+        if not taken:
+            return []
+        self._outbox = []
+        return taken
+
+    def return_recorded(self, taken: list[tuple[str, list[int]]]) -> None:
+        """What `take_recorded` gave and could not be published: sent with the next (bounded)."""
+        if self._outbox is not None and taken:
+            self._outbox[:0] = taken
+            if len(self._outbox) > MAX_OUTBOX:
+                del self._outbox[: len(self._outbox) - MAX_OUTBOX]
+
+    def add(self, pod_key: str, hashes: list[int]) -> None:
+        """Another replica sent a prompt with these block hashes to `pod_key`."""
+        self._parts, self._hashes, self._depth = None, [], None  # the index changes
+        self._insert(pod_key, hashes)
 
     def __len__(self) -> int:
         """Block hashes held (at most `max_blocks`)."""
@@ -89,7 +157,7 @@ class PrefixIndex:
         """The prompt's chained block hashes (`block_hashes`); the last request's are kept."""
         if parts is self._parts and model == self._model:
             return self._hashes
-        found = block_hashes(model, parts, self.block_chars)
+        found = self._hash(model, parts, self.block_chars)
         self._parts, self._model, self._hashes, self._depth = parts, model, found, None
         return found
 
@@ -124,6 +192,14 @@ class PrefixIndex:
         """The prompt was sent to `pod_key`: its blocks now count as cached there, most recent."""
         hashes = self.hashes(model, parts)
         self._parts, self._hashes, self._depth = None, [], None  # the index changes
+        self._insert(pod_key, hashes)
+        outbox = self._outbox
+        if outbox is not None and hashes:
+            if len(outbox) >= MAX_OUTBOX:
+                del outbox[: MAX_OUTBOX // 10]
+            outbox.append((pod_key, hashes))
+
+    def _insert(self, pod_key: str, hashes: list[int]) -> None:
         blocks = self._blocks
         cap = self.max_blocks
         # last block first, so the prompt's start is the most recent and the last evicted; a

@@ -35,6 +35,7 @@ from plugin.adapters.redis_state import (
 from plugin.config import RedisSettings
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import Lease, PodPool
+from plugin.core.prefix import PrefixIndex
 from plugin.core.types import Pod
 from plugin_tools.demo.redis_server import RedisServer
 from tests.helpers import (
@@ -508,3 +509,46 @@ async def test_kill_redis_during_traffic_fails_no_request_and_recovers(
     assert counted == 5 * len(outcomes)
     assert "routing on this gateway's local state only" in caplog.text
     assert "in-flight counts and token counters shared" in caplog.text
+
+
+# --- the prefix-cache index ----------------------------------------------------------------------
+
+
+async def test_a_prefix_one_gateway_routed_matches_at_the_other_and_survives_an_outage(
+    redis_server: RedisServer,
+) -> None:
+    """Each sync publishes the prompts a gateway routed and adds the others' to its index; while
+    Redis is away they wait, and are published when it is back."""
+    states: list[RedisState] = []
+    indexes: list[PrefixIndex] = []
+    for name in ("gw-a", "gw-b"):
+        pool = PodPool(CapacityEstimator())
+        pool.set_pods([X, Y])
+        index = PrefixIndex(block_chars=16)
+        index.share()
+        settings = RedisSettings(
+            host=redis_server.host, port=redis_server.port, gateway_id=name, ttl_s=TTL_S
+        )
+        states.append(RedisState(pool, settings, prefixes=index))
+        indexes.append(index)
+    a, b = states
+    try:
+        for state in (a, b, a, b):  # each has read where the stream ends
+            assert await state.sync_once()
+        prompt = ("a system prompt every request of this app starts with",)
+        indexes[0].record("m", X.key, prompt)
+        assert await a.sync_once() and await b.sync_once()
+        blocks = len(indexes[0].hashes("m", prompt))
+        assert indexes[1].match("m", prompt) == {X.key: blocks}
+        assert (a.prefixes_added, b.prefixes_added) == (0, 1)  # its own are not added again
+
+        await redis_server.kill()
+        other = ("another prompt, routed while Redis is away",)
+        indexes[0].record("m", Y.key, other)
+        assert not await a.sync_once()
+        await redis_server.start()
+        assert await a.sync_once() and await b.sync_once()
+        assert indexes[1].match("m", other) == {Y.key: len(indexes[0].hashes("m", other))}
+    finally:
+        for state in states:
+            await state.close()

@@ -4,6 +4,8 @@ routed through the real `Router` and `PodPool`."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from array import array
 from collections import Counter, defaultdict
 from typing import Any
@@ -15,7 +17,13 @@ from hypothesis import strategies as st
 
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
-from plugin.core.prefix import PART_SEPARATOR, PrefixIndex, block_hashes
+from plugin.core.prefix import (
+    MAX_OUTBOX,
+    PART_SEPARATOR,
+    PrefixIndex,
+    block_hashes,
+    stable_block_hashes,
+)
 from plugin.core.request import parse_request
 from plugin.core.router import Decision, Router
 from plugin.core.strategies import build_strategies
@@ -499,3 +507,52 @@ def test_the_router_makes_prefix_cache_forget_pods_that_left_discovery() -> None
     assert chosen.scores(pool.candidates(MODEL, 0.0), prompt).count(1.0) == 1
     router.pods_removed([held])
     assert chosen.scores(pool.candidates(MODEL, 0.0), prompt) == [0.0, 0.0, 0.0]
+
+
+# --- an index shared by gateway replicas ---------------------------------------------------------
+
+
+def test_stable_hashes_are_the_same_in_another_process() -> None:
+    """Replicas match each other's prefixes only if every process hashes a prompt alike
+    (Python's `hash` of a str is salted per process)."""
+    parts = ("You are a helpful assistant. " * 20, "What is 2 + 2?")
+    here = stable_block_hashes("m", parts, 16)
+    code = (
+        "from plugin.core.prefix import stable_block_hashes;"
+        f"print(stable_block_hashes('m', {parts!r}, 16))"
+    )
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert len(here) == len("\x1e".join(parts).encode()) // 16
+    assert there.strip() == str(here)
+    assert stable_block_hashes("other", parts, 16)[0] != here[0]  # the model starts the chain
+
+
+def test_a_prompt_one_replica_routed_matches_at_another() -> None:
+    a, b = PrefixIndex(block_chars=16), PrefixIndex(block_chars=16)
+    a.share()
+    b.share()
+    prompt = ("a long system prompt shared by many requests",)
+    a.record("m", "ns/p1", prompt)
+    for pod, hashes in a.take_recorded():
+        b.add(pod, hashes)
+    assert b.match("m", prompt) == {"ns/p1": len(a.hashes("m", prompt))}
+    assert b.take_recorded() == []  # what it was told is not told again
+    assert a.take_recorded() == []
+
+
+def test_the_outbox_keeps_what_could_not_be_published_first_and_bounded() -> None:
+    index = PrefixIndex(block_chars=4)
+    index.record("m", "ns/p", ("abcdefgh",))
+    assert index.take_recorded() == []  # not shared: nothing kept
+    index.share()
+    index.record("m", "ns/p", ("abcdefgh",))
+    first = index.take_recorded()
+    index.record("m", "ns/q", ("ijklmnop",))
+    index.return_recorded(first)
+    assert [pod for pod, _ in index.take_recorded()] == ["ns/p", "ns/q"]
+    for i in range(MAX_OUTBOX + 5):
+        index.record("m", f"ns/p{i}", ("abcdefgh",))
+    kept = index.take_recorded()
+    assert len(kept) <= MAX_OUTBOX and kept[-1][0] == f"ns/p{MAX_OUTBOX + 4}"
