@@ -20,8 +20,10 @@ Scenarios (each on a fresh fleet, default wiring: ORIGINAL_DST, fail-closed, cou
 - 200 streams cancelled mid-way: how long until the plugin counts none in flight, and the
   output tokens it credited against the engines' own counters;
 - 3 plugin replicas sharing Redis behind one Envoy cluster, one killed -9 while generations
-  stream: how many are cut, and how long until every survivor counts none in flight; and
-  the plugins' CPU per request through those 3 replicas against through one of them.
+  stream: how many are cut, how long until every survivor counts none in flight, how often
+  each engine is scraped with all three up (counted on the engines) and the longest an engine
+  goes unscraped across the kill; and the plugins' CPU per request through those 3 replicas
+  against through one of them.
 
     python benchmarks/fault_suite.py            # about 4 minutes on 2 cores
     python benchmarks/fault_suite.py --only hung-engine --repeat 10
@@ -566,18 +568,6 @@ async def _replica_fleet(
     return fleet, replicas
 
 
-async def _all_replicas_envoy(fleet: LocalFleet, replicas: list[ExtraGateway]) -> str:
-    """An Envoy whose ext_proc cluster holds every replica; returns its URL."""
-    port = free_port()
-    grpc_ports = [fleet.grpc_port, *(r.grpc_port for r in replicas)]
-    opts = replace(
-        fleet.envoy_options(port, free_port()),
-        extproc_replicas=tuple(f"127.0.0.1:{p}" for p in grpc_ports),
-    )
-    await fleet.start_extra_envoy("replicas-envoy", opts)
-    return f"http://127.0.0.1:{port}"
-
-
 SCRAPES = "mock_engine_metrics_requests_total"
 
 
@@ -626,7 +616,7 @@ async def plugin_replicas(tmp: Path, count: int = 3) -> Row:
             tmp, redis, count, presets=("a100", "l20"), time_scale=3.0, tokens_per_chunk=1
         )
         try:
-            url = await _all_replicas_envoy(fleet, replicas)
+            url = await fleet.start_replicas_envoy(replicas)
             victim, survivors = (
                 replicas[0],
                 [fleet.plugin_url, *(r.plugin_url for r in replicas[1:])],
@@ -742,7 +732,7 @@ async def replicas_cpu(tmp: Path, count: int = 3, requests: int = 300, rounds: i
     async with RedisServer() as redis:
         fleet, replicas = await _replica_fleet(tmp, redis, count, presets=("a100", "l20"))
         try:
-            shared = [await _all_replicas_envoy(fleet, replicas)]
+            shared = [await fleet.start_replicas_envoy(replicas)]
             own = [fleet.envoy_url]
             for i, replica in enumerate(replicas):
                 port = free_port()

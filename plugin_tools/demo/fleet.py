@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -315,6 +316,18 @@ class LocalFleet:
         )
         await self._wait_http(f"{name}-plugin", gw.plugin, f"{gw.plugin_url}/readyz")
         return gw
+
+    async def start_replicas_envoy(self, replicas: Sequence[ExtraGateway]) -> str:
+        """An Envoy whose ext_proc cluster holds the fleet's own plugin and `replicas`
+        (`start_plugin_replica`); returns its URL. `stop()` stops it too."""
+        port = free_port()
+        grpc_ports = [self.grpc_port, *(r.grpc_port for r in replicas)]
+        opts = replace(
+            self.envoy_options(port, free_port()),
+            extproc_replicas=tuple(f"127.0.0.1:{p}" for p in grpc_ports),
+        )
+        await self.start_extra_envoy("replicas-envoy", opts)
+        return f"http://127.0.0.1:{port}"
 
     def envoy_options(self, listen_port: int, admin_port: int) -> EnvoyOptions:
         """The fleet's Envoy options (plugin address, fail mode, count mode) on other ports."""
