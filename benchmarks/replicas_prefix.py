@@ -116,7 +116,9 @@ async def run(tmp: Path, replicas: int, shared: bool, seed: int) -> Result:
             time_scale=4.0,
             plugin_env={**env, "POD_NAME": "replica-0"},
         )
-        async with LocalFleet(spec, str(tmp / label.replace(" ", "-"))) as fleet:
+        logs = tmp / f"{replicas}-{'shared' if shared else 'own'}"
+        logs.mkdir()
+        async with LocalFleet(spec, str(logs)) as fleet:
             extra = [
                 await fleet.start_plugin_replica(f"replica-{i}", {**env, "POD_NAME": f"r-{i}"})
                 for i in range(1, replicas)
