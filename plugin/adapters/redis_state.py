@@ -26,10 +26,12 @@ Keys (a pod key is `namespace/name`; a gateway id is `POD_NAME`, or `POD_NAMESPA
 else the host name):
 
     hetero-gateway:gateways               sorted set: gateway id -> last sync (unix seconds)
-    hetero-gateway:inflight:<gateway id>  hash: pod key -> in-flight count (non-zero only),
-                                          `~load:<pod key>` -> SLO load (non-zero only), and
-                                          `~instance` -> a random id of the publishing process;
+    hetero-gateway:state:<gateway id>     string: JSON `{"inflight": {pod key: in-flight count},
+                                          "load": {pod key: SLO load}}`, non-zero entries only;
                                           expires TTL after its last sync
+    hetero-gateway:instance:<gateway id>  string: a random id of the publishing process (two
+                                          processes with one gateway id are reported); expires
+                                          with the state
     hetero-gateway:tokens:<pod key>       integer: output tokens completed by the pod, counted by
                                           every gateway; expires after an hour without tokens
     hetero-gateway:claims:<gateway id>    list: `IP:PORT request-id` of requests this gateway
@@ -51,8 +53,10 @@ out of the scrapers when its key expires (the scrape period plus half of it, or 
 timeout if longer), and its pods are scraped by the survivors from their next sync on.
 
 The sorted set only lists whom to read (members not seen for five minutes are dropped); liveness
-is the hash's expiry, which Redis enforces with its own clock (7.0 has no per-field expiry, hence
-one hash per gateway).
+is the state's expiry, which Redis enforces with its own clock. The state is one JSON string, not
+a hash of a field per pod: at 10,000 pods a hash cost each sync about 20,000 arguments to encode
+and as many replies to decode per gateway in Python, where one string is one C-level JSON call
+(`docs/plugin-cost.md`).
 
 Failures degrade, never fail a request: a round trip that errors or takes longer than its timeout
 switches this gateway to local-only mode (the `hetero_gateway_shared_state_up` gauge drops to 0,
@@ -87,15 +91,14 @@ from plugin.core.scrape_share import ScrapeShares
 
 __all__ = [
     "GATEWAYS_KEY",
-    "INSTANCE_FIELD",
     "KEY_PREFIX",
-    "LOAD_PREFIX",
     "PREFIXES_KEY",
     "RedisState",
     "claims_key",
     "connect",
-    "inflight_key",
+    "instance_key",
     "scrapes_key",
+    "state_key",
     "tokens_key",
 ]
 
@@ -106,8 +109,6 @@ GATEWAYS_KEY = f"{KEY_PREFIX}:gateways"
 PREFIXES_KEY = f"{KEY_PREFIX}:prefixes"
 PREFIXES_KEPT = 2000  # stream entries (one per gateway per sync with prompts to publish)
 PREFIXES_READ = 500  # entries read per sync at most: a gateway far behind catches up over syncs
-INSTANCE_FIELD = "~instance"  # never a pod key: those always hold a "/"
-LOAD_PREFIX = "~load:"  # a pod's SLO load field: the prefix, then the pod key
 TOKENS_TTL_S = 3600
 FORGET_GATEWAY_S = 300.0  # members silent this long leave the sorted set (clock skew margin)
 MAX_BACKOFF_S = 1.0
@@ -131,8 +132,12 @@ def connect(settings: RedisSettings, timeout_s: float) -> Redis:
     )
 
 
-def inflight_key(gateway_id: str) -> str:
-    return f"{KEY_PREFIX}:inflight:{gateway_id}"
+def state_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}:state:{gateway_id}"
+
+
+def instance_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}:instance:{gateway_id}"
 
 
 def tokens_key(pod_key: str) -> str:
@@ -183,14 +188,6 @@ def _int(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
-
-
-def _float(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number if math.isfinite(number) else None
 
 
 def describe_error(exc: BaseException) -> str:
@@ -266,28 +263,28 @@ class RedisState:
         prefixes = self._prefixes
         routed = [] if prefixes is None else prefixes.take_recorded()
         pod_keys = [p.key for p in pool.pods()]
-        local = {k: str(n) for k in pod_keys if (n := pool.inflight(k)) > 0}
-        local.update(
-            {f"{LOAD_PREFIX}{k}": f"{load:.6g}" for k in pod_keys if (load := pool.load(k)) > 0}
+        state = orjson.dumps(
+            {
+                "inflight": {k: n for k in pod_keys if (n := pool.inflight(k)) > 0},
+                "load": {k: round(x, 6) for k in pod_keys if (x := pool.load(k)) > 0},
+            }
         )
         others = [m for m in self._members if m != me]
-        mine = inflight_key(me)
+        ttl_ms = round(self.settings.ttl_s * 1000)
         try:
             if self._client is None:
                 self._client = self._connect()
             async with asyncio.timeout(self.timeout_s):
                 pipe = self._client.pipeline(transaction=True)
-                pipe.hget(mine, INSTANCE_FIELD)
-                pipe.delete(mine)
-                fields: dict[Any, Any] = {INSTANCE_FIELD: self._instance, **local}
-                pipe.hset(mine, mapping=fields)
-                pipe.pexpire(mine, round(self.settings.ttl_s * 1000))
+                pipe.getset(instance_key(me), self._instance)
+                pipe.pexpire(instance_key(me), ttl_ms)
+                pipe.set(state_key(me), state, px=ttl_ms)
                 now = self._wall()
                 pipe.zadd(GATEWAYS_KEY, {me: now})
                 pipe.zremrangebyscore(GATEWAYS_KEY, "-inf", now - FORGET_GATEWAY_S)
                 pipe.zrange(GATEWAYS_KEY, 0, -1)
                 for gateway in others:
-                    pipe.hgetall(inflight_key(gateway))
+                    pipe.get(state_key(gateway))
                 if self.shares is not None:
                     for gateway in others:
                         pipe.exists(scrapes_key(gateway))
@@ -376,28 +373,30 @@ class RedisState:
         ):
             self._warn_collision()
         self._published = True
-        members = replies[6]
+        members = replies[5]
         self._members = [str(m) for m in members] if isinstance(members, list) else []
         remote: dict[str, int] = {}
         loads: dict[str, float] = {}
         contributing = 0
-        for entry in replies[7 : 7 + len(others)]:
-            if not isinstance(entry, dict) or not entry:
+        for entry in replies[6 : 6 + len(others)]:
+            if not entry:
                 continue  # expired: that gateway stopped syncing
-            contributing += 1
-            for field, value in entry.items():
-                if field.startswith(LOAD_PREFIX):
-                    load = _float(value)
-                    if load is not None and load > 0:
-                        pod = field[len(LOAD_PREFIX) :]
+            try:
+                state = orjson.loads(entry)
+                counts, their_loads = state["inflight"], state["load"]
+                for pod, count in counts.items():
+                    if isinstance(count, int) and count > 0:
+                        remote[pod] = remote.get(pod, 0) + count
+                for pod, load in their_loads.items():
+                    if isinstance(load, int | float) and 0 < load < math.inf:
                         loads[pod] = loads.get(pod, 0.0) + load
-                    continue
-                count = _int(value)
-                if field != INSTANCE_FIELD and count is not None and count > 0:
-                    remote[field] = remote.get(field, 0) + count
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                log.warning("unreadable gateway state in Redis: ignored")
+                continue
+            contributing += 1
         self.other_gateways = contributing
         if self.shares is not None:
-            alive = replies[7 + len(others) : 7 + 2 * len(others)]
+            alive = replies[6 + len(others) : 6 + 2 * len(others)]
             self._set_scrapers([g for g, up in zip(others, alive, strict=True) if up])
         totals: dict[str, int | None] = {}
         if pod_keys:
@@ -534,7 +533,7 @@ class RedisState:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.timeout_s):
                     pipe = self._client.pipeline(transaction=True)
-                    pipe.delete(inflight_key(me))
+                    pipe.delete(state_key(me), instance_key(me))
                     pipe.delete(scrapes_key(me))  # the others scrape its pods from now on
                     pipe.zrem(GATEWAYS_KEY, me)
                     for key, tokens in taken.items():

@@ -433,11 +433,16 @@ class PodPool:
     ) -> None:
         """Other gateways' in-flight counts and SLO loads per pod key (replaces the previous
         view; no `loads`: none)."""
-        old = (self._remote, self._remote_load)
-        self._remote = {k: v for k, v in counts.items() if v > 0}
-        self._remote_load = {k: v for k, v in (loads or {}).items() if v > 0}
-        for key in old[0].keys() | old[1].keys() | self._remote.keys() | self._remote_load.keys():
-            self._inflight_changed(key, self._records.get(key))  # changes only what moved
+        old_counts, old_loads = self._remote, self._remote_load
+        counts = self._remote = {k: v for k, v in counts.items() if v > 0}
+        loads = self._remote_load = {k: v for k, v in (loads or {}).items() if v > 0}
+        # Only the pods whose share moved: at 10,000 pods a call per pod every sync (100 ms)
+        # was a tenth of a core.
+        moved = {k for k in old_counts.keys() | counts.keys() if old_counts.get(k) != counts.get(k)}
+        moved.update(k for k in old_loads.keys() | loads.keys() if old_loads.get(k) != loads.get(k))
+        records = self._records
+        for key in moved:
+            self._inflight_changed(key, records.get(key))
         self._changed()
 
     @property

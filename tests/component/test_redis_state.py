@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import orjson
 import pytest
 import pytest_asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -27,9 +28,8 @@ from redis.asyncio import Redis
 
 from plugin.adapters.redis_state import (
     GATEWAYS_KEY,
-    LOAD_PREFIX,
     RedisState,
-    inflight_key,
+    state_key,
     tokens_key,
 )
 from plugin.config import RedisSettings
@@ -147,9 +147,9 @@ async def test_inflight_counts_sum_across_two_gateways(
     # The layout the README documents.
     async with Redis(port=redis_server.port, decode_responses=True) as r:
         assert set(await r.zrange(GATEWAYS_KEY, 0, -1)) == {"gw-a", "gw-b"}
-        entry = await r.hgetall(inflight_key("gw-b"))
-        assert {k: v for k, v in entry.items() if "/" in k} == {X.key: "3", Y.key: "1"}
-        assert 0 < await r.pttl(inflight_key("gw-b")) <= TTL_S * 1000
+        entry = orjson.loads(await r.get(state_key("gw-b")) or "null")
+        assert entry["inflight"] == {X.key: 3, Y.key: 1}
+        assert 0 < await r.pttl(state_key("gw-b")) <= TTL_S * 1000
 
 
 async def test_slo_loads_sum_across_gateways_so_no_pod_is_over_committed(
@@ -170,8 +170,8 @@ async def test_slo_loads_sum_across_gateways_so_no_pod_is_over_committed(
     assert a.pool.remote_load(X.key) == pytest.approx(0.25)
     assert b.pool.remote_load(X.key) == pytest.approx(0.5)
     async with Redis(port=redis_server.port, decode_responses=True) as r:
-        entry = await r.hgetall(inflight_key("gw-b"))
-        assert entry[f"{LOAD_PREFIX}{Y.key}"] == "0.75"
+        entry = orjson.loads(await r.get(state_key("gw-b")) or "null")
+        assert entry["load"][Y.key] == 0.75
     for lease in theirs:
         lease.release()
     for m in (b, a):
