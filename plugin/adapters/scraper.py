@@ -123,9 +123,7 @@ def _decode(values: list[Any]) -> EngineMetrics:
 # from newline to newline in C, where a Python loop over a real vLLM page's 440 lines cost
 # about 2.4 times as much (`docs/plugin-cost.md`).
 _WANTED_LINE = re.compile(
-    "\n((?:"
-    + "|".join(re.escape(n) for n in sorted(_WANTED, key=len, reverse=True))
-    + ")(?:[{ \t][^\n]*)?)(?=\n|\\Z)"
+    "\n((?:" + "|".join(re.escape(n) for n in sorted(_WANTED)) + ")(?:[{ \t][^\n]*)?)(?=\n|\\Z)"
 )
 # Label sets seen on pages, parsed once by prometheus_client: a pod's series are the same text
 # every scrape (and usually the same across the pods of a model), so only the value changes.
@@ -496,13 +494,15 @@ class MetricsScraper:
                     # cancelling, so honour that here, or stopping would wait forever.
                     if task is not None and task.cancelling():
                         raise asyncio.CancelledError
+                    # Cleared before the tick reads who scrapes what: a change of scrapers
+                    # during the tick wakes the next one at once instead of being lost.
+                    self._wake.clear()
                     try:
                         await self.tick(session)
                     except Exception:  # a bug here must not stop scraping for good
                         log.exception("metrics refresh failed")
                     # A tick that overran does not make the next ones run back to back.
                     next_at = max(next_at + self._interval_s, self._clock())
-                    self._wake.clear()
                     # `asyncio.timeout`, not `wait_for` (which can swallow a cancellation too).
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(max(0.0, next_at - self._clock())):
