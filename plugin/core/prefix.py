@@ -56,9 +56,13 @@ MAX_OUTBOX = 10_000
 PART_SEPARATOR = "\x1e"
 
 
+def _prompt(parts: Sequence[str]) -> str:
+    return parts[0] if len(parts) == 1 else PART_SEPARATOR.join(parts)
+
+
 def block_hashes(model: str, parts: Sequence[str], block_chars: int) -> list[int]:
     """The chained hash of each full block of the prompt `parts` make for `model`."""
-    text = parts[0] if len(parts) == 1 else PART_SEPARATOR.join(parts)
+    text = _prompt(parts)
     end = len(text) - len(text) % block_chars
     chained = hash(model)
     return [
@@ -69,8 +73,7 @@ def block_hashes(model: str, parts: Sequence[str], block_chars: int) -> list[int
 
 def stable_block_hashes(model: str, parts: Sequence[str], block_chars: int) -> list[int]:
     """`block_hashes` with BLAKE2b: the same chain in every process (blocks of the UTF-8 text)."""
-    text = parts[0] if len(parts) == 1 else PART_SEPARATOR.join(parts)
-    data = text.encode()
+    data = _prompt(parts).encode()
     end = len(data) - len(data) % block_chars
     digest = blake2b(model.encode(), digest_size=8).digest()
     found = []
@@ -124,10 +127,6 @@ class PrefixIndex:
         self._blocks.clear()
         self._parts, self._hashes, self._depth = None, [], None
         self._outbox = []
-
-    @property
-    def shared(self) -> bool:
-        return self._outbox is not None
 
     def take_recorded(self) -> list[tuple[str, list[int]]]:
         """(pod key, block hashes) of each prompt recorded since the last call, oldest first."""
