@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -47,3 +49,19 @@ def test_alone_a_replica_owns_every_pod_and_counts_itself_among_the_scrapers() -
     assert shares.set_scrapers([])
     assert list(shares.scrapers) == ["gw-a"]
     assert all(shares.mine(pod) for pod in PODS[:100])
+
+
+def test_another_process_names_the_same_owners() -> None:
+    """Replicas are separate processes: the owners must not depend on a per-process salt
+    (Python's `hash` of a str has one)."""
+    scrapers = ["gw-a", "gw-b", "gw-c"]
+    here = [owner for _, owner in sorted(_owners("gw-a", scrapers).items())[:200]]
+    code = (
+        "from plugin.core.scrape_share import ScrapeShares\n"
+        "s = ScrapeShares('gw-b'); s.set_scrapers(['gw-a', 'gw-c'])\n"
+        f"print([s.owner(p) for p in sorted({PODS!r})[:200]])"
+    )
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert there.strip() == str(here)
