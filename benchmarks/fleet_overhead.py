@@ -36,7 +36,6 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 from kubernetes import client
@@ -160,14 +159,14 @@ async def scrape_cost(n: int, port: int) -> tuple[float, float]:
     pool = PodPool(CapacityEstimator())
     pool.set_pods(make_pods(n, port))
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=5.0)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        await scraper.tick(session)  # connections open, pages cached by the server
-        if scraper.errors_total:
-            raise RuntimeError(f"{len(scraper.errors_total)} scrapes failed")
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        for _ in range(SCRAPE_TICKS):
-            await scraper.tick(session)
-        cpu1, t1 = time.process_time(), time.perf_counter()
+    await scraper.tick()  # connections open, pages cached by the server
+    if scraper.errors_total:
+        raise RuntimeError(f"{len(scraper.errors_total)} scrapes failed")
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(SCRAPE_TICKS):
+        await scraper.tick()
+    cpu1, t1 = time.process_time(), time.perf_counter()
+    scraper.close()
     return (cpu1 - cpu0) * 1000 / SCRAPE_TICKS, (t1 - t0) * 1000 / SCRAPE_TICKS
 
 
@@ -213,24 +212,24 @@ async def shared_scrape_cost(n: int, port: int, redis_port: int) -> float:
         await pipe.execute()
 
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            await publish_peers(0)
-            for _ in range(2):  # the first lists the gateways, the second checks their scrapes
-                if not await state.sync_once():
-                    raise RuntimeError(f"sync failed: {state.last_error}")
-            await scraper.tick(session)  # connections open
-            if scraper.errors_total or state.shares is None:
-                raise RuntimeError(f"{len(scraper.errors_total)} scrapes failed")
-            cpu = 0.0
-            for tick in range(1, SCRAPE_TICKS + 1):
-                await publish_peers(tick)
-                cpu0 = time.process_time()
-                await scraper.tick(session)
-                cpu += time.process_time() - cpu0
-            shares = state.shares
-            if shares.scraped + shares.from_peers != n or shares.from_peers == 0:
-                raise RuntimeError(f"scraped {shares.scraped}, read {shares.from_peers} of {n}")
+        await publish_peers(0)
+        for _ in range(2):  # the first lists the gateways, the second checks their scrapes
+            if not await state.sync_once():
+                raise RuntimeError(f"sync failed: {state.last_error}")
+        await scraper.tick()  # connections open
+        if scraper.errors_total or state.shares is None:
+            raise RuntimeError(f"{len(scraper.errors_total)} scrapes failed")
+        cpu = 0.0
+        for tick in range(1, SCRAPE_TICKS + 1):
+            await publish_peers(tick)
+            cpu0 = time.process_time()
+            await scraper.tick()
+            cpu += time.process_time() - cpu0
+        shares = state.shares
+        if shares.scraped + shares.from_peers != n or shares.from_peers == 0:
+            raise RuntimeError(f"scraped {shares.scraped}, read {shares.from_peers} of {n}")
     finally:
+        scraper.close()
         await state.close()
         await redis.delete(GATEWAYS_KEY, *(scrapes_key(p) for p in peers))
         await redis.aclose()

@@ -243,3 +243,17 @@ class OptimizerInputError(GatewayError, ValueError):
     """The GPU optimizer was handed a problem it cannot solve as stated (mismatched lengths, a
     negative or non-finite rate, tput or cost, headroom below 1, min_replicas above the cap);
     the message names the field."""
+
+
+class MetricsPageError(GatewayError):
+    """An engine's metrics page could not be read (`plugin.adapters.metrics_http`)."""
+
+
+class EngineUnreachable(MetricsPageError):
+    """No answer: refused, reset, timed out, or closed before the status line. The pod leaves
+    rotation until it answers."""
+
+
+class MetricsPageUnusable(MetricsPageError):
+    """The engine answered with nothing the gateway can use (not 200, malformed, cut off, too
+    big). Proof of life: the pod stays in rotation, routed by the gateway's own counts."""

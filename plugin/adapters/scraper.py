@@ -20,15 +20,16 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
+from urllib.parse import urlencode
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from yarl import URL
 
 from plugin.adapters.engines import histogram_pairs, metric_names, stepwise_counters
+from plugin.adapters.metrics_http import MetricsClient, request_bytes
 from plugin.core.pool import PodPool
 from plugin.core.scrape_share import ScrapeShares
 from plugin.core.types import EngineMetrics, Pod
+from plugin.errors import EngineUnreachable, MetricsPageUnusable
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,7 @@ _RANK_LABELS = frozenset({"tp", "tp_rank"})
 # A real vLLM page is hundreds of lines (histograms per model); parsing all of it in pure Python
 # on the event loop that answers Envoy costs tens of ms per pod. Only the wanted lines are parsed.
 MAX_METRICS_BYTES = 8 * 1024 * 1024
-# Scrapes in flight at once. The bound is ours, not the connector's: aiohttp's own connection
-# limit makes every released connection shuffle the queue of waiting hosts, which at a thousand
-# pods cost more CPU than the scrapes (`docs/plugin-cost.md`).
+# Scrapes in flight at once: a few workers share a tick's pods (`MetricsScraper.scrape_all`).
 MAX_CONCURRENT_SCRAPES = 64
 # How often the stall watch looks for pods whose streams went quiet (`PodPool.silent`).
 SILENCE_CHECK_S = 0.1
@@ -72,15 +71,9 @@ _NOTHING = EngineMetrics()
 # serve their pages with, then renders those samples only (its exposition honours `name[]`
 # query parameters), about 10 lines instead of about 440 for vLLM: less work for the engine
 # and for the gateway. An engine that ignores the parameters sends its whole page, read as
-# before. Uncompressed: prometheus_client gzips when asked (aiohttp asks by default), which
-# costs both sides CPU to save bandwidth a scrape every second does not need.
-_WANTED_QUERY = [("name[]", name) for name in sorted(_WANTED)]
-_IDENTITY = {"Accept-Encoding": "identity"}
+# before. Uncompressed (`plugin.adapters.metrics_http`).
+_WANTED_QUERY = urlencode([("name[]", name) for name in sorted(_WANTED)])
 UNREACHABLE, UNUSABLE = "unreachable", "unusable"  # the causes of a failed scrape
-
-
-class _Unusable(ValueError):
-    """The engine answered, with nothing the gateway can use."""
 
 
 class ScrapeExchange(Protocol):
@@ -242,16 +235,16 @@ class MetricsScraper:
         self._peer_writes: dict[str, int] = {}  # gateway id -> the write of it last read
         self._last_tick_at: float | None = None  # the start of the previous shared tick
         self._wake = asyncio.Event()
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._clock = clock
         self._failing: dict[str, str] = {}  # pod key -> the cause of its failing streak
-        self._session: aiohttp.ClientSession | None = None  # while `run` runs
+        self._client = MetricsClient(timeout_s=timeout_s, max_bytes=MAX_METRICS_BYTES)
+        self._running = False  # probes wait for `run`
         self._probing: set[str] = set()
         self._probes: set[asyncio.Task[None]] = set()  # held: a task must not be collected
         self.errors_total: dict[tuple[str, str], int] = {}  # (pod key, cause) -> failed scrapes
-        # Parsed once per pod address and path: building a URL from text on every scrape of
-        # every pod is a noticeable share of a tick at a thousand pods.
-        self._urls: dict[tuple[str, int, str], URL] = {}
+        # The request per pod address and path, built once.
+        self._requests: dict[tuple[str, int, str], bytes] = {}
         # Pod addresses whose engine drops our samples from a page asked for by name.
         self._full_pages: set[tuple[str, int, str]] = set()
         # Set once a tick has scraped every discovered pod (answered or not): the gateway
@@ -259,65 +252,58 @@ class MetricsScraper:
         # seen (a dead one among them).
         self.first_round = asyncio.Event()
 
-    def _url(self, pod: Pod) -> URL:
-        """The pod's metrics page, asking for the wanted samples only (`name[]`), unless the
-        pod's engine answered such a request with none of them (`_full_pages`)."""
+    def _request(self, pod: Pod, by_name: bool) -> bytes:
+        """The GET of the pod's metrics page: by name (`name[]`) unless the pod's engine
+        answered such a request with none of our samples (`_full_pages`)."""
         where = (pod.address, pod.metrics_port, pod.metrics_path)
-        url = self._urls.get(where)
-        if url is None:
-            host = f"[{pod.address}]" if ":" in pod.address else pod.address
-            url = URL(f"http://{host}:{pod.metrics_port}{pod.metrics_path}")
-            if where not in self._full_pages:
-                url = url.update_query(_WANTED_QUERY)
-            self._urls[where] = url
-        return url
+        request = self._requests.get(where) if by_name else None
+        if request is None:
+            target = pod.metrics_path
+            if by_name and where not in self._full_pages:
+                target += ("&" if "?" in target else "?") + _WANTED_QUERY
+            request = request_bytes(pod.address, pod.metrics_port, target)
+            if by_name:
+                self._requests[where] = request
+        return request
 
-    async def _page(self, session: aiohttp.ClientSession, url: URL) -> EngineMetrics:
+    async def _page(self, pod: Pod, request: bytes) -> EngineMetrics:
         # A redirect is not followed: /metrics answering 302 must not make the gateway fetch
         # whatever address it names every tick.
-        async with session.get(
-            url, timeout=self._timeout, allow_redirects=False, headers=_IDENTITY
-        ) as resp:
-            if resp.status != 200:
-                raise _Unusable(f"HTTP {resp.status} {resp.reason or ''}".rstrip())
-            body = bytearray()
-            try:
-                async for chunk in resp.content.iter_chunked(64 * 1024):
-                    body += chunk
-                    if len(body) > MAX_METRICS_BYTES:
-                        raise _Unusable(f"metrics page over {MAX_METRICS_BYTES} bytes")
-            except aiohttp.ClientPayloadError as exc:  # answered, then a broken body
-                raise _Unusable(f"broken page: {exc}") from exc
-        return parse_engine_metrics(body.decode("utf-8", "replace"))
-
-    async def _scrape(self, session: aiohttp.ClientSession, pod: Pod) -> None:
-        url = self._url(pod)
+        status, reason, body = await self._client.get(pod.address, pod.metrics_port, request)
+        if status != 200:
+            raise MetricsPageUnusable(f"HTTP {status} {reason}".rstrip())
         try:
-            metrics = await self._page(session, url)
-            if metrics == _NOTHING and url.query_string:
+            return parse_engine_metrics(body.decode("utf-8", "replace"))
+        except ValueError as exc:
+            raise MetricsPageUnusable(f"malformed metrics: {exc}") from exc
+
+    async def _scrape(self, pod: Pod) -> None:
+        where = (pod.address, pod.metrics_port, pod.metrics_path)
+        try:
+            metrics = await self._page(pod, self._request(pod, by_name=True))
+            if metrics == _NOTHING and where not in self._full_pages:
                 # An engine may honour `name[]` and still leave our samples out (a
                 # prometheus_client registry whose collectors declare no names, such as
                 # vLLM's multiprocess mode): read its whole page from now on if that has them.
-                full = url.with_query(None)
-                metrics = await self._page(session, full)
+                metrics = await self._page(pod, self._request(pod, by_name=False))
                 if metrics != _NOTHING:
-                    self._full_pages.add((pod.address, pod.metrics_port, pod.metrics_path))
-                    self._urls[(pod.address, pod.metrics_port, pod.metrics_path)] = url = full
+                    self._full_pages.add(where)
+                    self._requests.pop(where, None)
                     log.info(
                         "metrics page of %s leaves the gateway's samples out when asked for "
                         "them by name: reading its whole page",
                         pod.key,
                     )
             if metrics == _NOTHING:
-                raise _Unusable("no known engine metric on the page")
-        except _Unusable as exc:
+                raise MetricsPageUnusable("no known engine metric on the page")
+        except MetricsPageUnusable as exc:
             self._pool.scrape_unusable(pod.key, str(exc))
-            self._failed(pod, url, UNUSABLE, str(exc))
+            self._failed(pod, UNUSABLE, str(exc))
             self._made(pod.key, [UNUSABLE, str(exc)])
             return
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (EngineUnreachable, TimeoutError) as exc:
             self._pool.scrape_failed(pod.key)
-            self._failed(pod, url, UNREACHABLE, repr(exc))
+            self._failed(pod, UNREACHABLE, str(exc) or repr(exc))
             self._made(pod.key, [DOWN])
             return
         if self._failing.pop(pod.key, None) is not None:
@@ -330,18 +316,20 @@ class MetricsScraper:
         if self._outbox is not None and record is not None:
             self._outbox[key] = (now, record)
 
-    def _failed(self, pod: Pod, url: URL, cause: str, why: str) -> None:
+    def _failed(self, pod: Pod, cause: str, why: str) -> None:
         """Count a failed scrape; log the first of a streak of the same cause."""
         key = (pod.key, cause)
         self.errors_total[key] = self.errors_total.get(key, 0) + 1
         if self._failing.get(pod.key) == cause:
             return
         self._failing[pod.key] = cause
+        host = f"[{pod.address}]" if ":" in pod.address else pod.address
+        url = f"http://{host}:{pod.metrics_port}{pod.metrics_path}"
         if cause == UNREACHABLE:
             log.warning(
                 "metrics scrape of %s (%s) failed: %s; out of rotation until it answers",
                 pod.key,
-                url.with_query(None),
+                url,
                 why,
             )
         else:
@@ -349,26 +337,26 @@ class MetricsScraper:
                 "metrics page of %s (%s) is of no use: %s; it stays in rotation, routed by the "
                 "gateway's own counts (check the pod's metrics port and path)",
                 pod.key,
-                url.with_query(None),
+                url,
                 why,
             )
 
-    async def _worker(self, session: aiohttp.ClientSession, queue: Iterator[Pod]) -> None:
+    async def _worker(self, queue: Iterator[Pod]) -> None:
         """Scrape pods one after another until none is left: a few workers share the tick's
         pods, which costs less than a task per pod behind a semaphore at a thousand pods."""
         for pod in queue:
             try:
-                await self._scrape(session, pod)
+                await self._scrape(pod)
             except Exception:  # a bug on one page must not stop the tick for the others
                 log.exception("metrics scrape of %s raised", pod.key)
 
-    async def scrape_all(self, session: aiohttp.ClientSession, pods: Sequence[Pod]) -> None:
+    async def scrape_all(self, pods: Sequence[Pod]) -> None:
         """Scrape these pods, at most MAX_CONCURRENT_SCRAPES at a time."""
         queue = iter(pods)
         workers = min(MAX_CONCURRENT_SCRAPES, len(pods))
-        await asyncio.gather(*(self._worker(session, queue) for _ in range(workers)))
+        await asyncio.gather(*(self._worker(queue) for _ in range(workers)))
 
-    async def tick(self, session: aiohttp.ClientSession) -> None:
+    async def tick(self) -> None:
         pods = self._pool.pods()
         exchange = self.exchange
         shares = None if exchange is None or not exchange.up else exchange.shares
@@ -387,7 +375,7 @@ class MetricsScraper:
             mine = [p for p in pods if shares.mine(p.key) or seen.get(p.key, -math.inf) < stale]
             self._outbox = {}
         try:
-            await self.scrape_all(session, mine)
+            await self.scrape_all(mine)
             if exchange is not None and shares is not None:
                 await self._trade(exchange, shares, {p.key for p in mine})
         finally:
@@ -396,9 +384,11 @@ class MetricsScraper:
             if self._pool.loaded:
                 self.first_round.set()
         present = {p.key for p in pods}
-        if len(self._urls) > 2 * len(pods) + 64:  # addresses of pods long gone
-            self._urls = {(p.address, p.metrics_port, p.metrics_path): self._url(p) for p in pods}
-            self._full_pages &= self._urls.keys()
+        if len(self._requests) > 2 * len(pods) + 64:  # addresses of pods long gone
+            wheres = {(p.address, p.metrics_port, p.metrics_path) for p in pods}
+            self._requests = {k: v for k, v in self._requests.items() if k in wheres}
+            self._full_pages &= wheres
+            self._client.keep_only((p.address, p.metrics_port) for p in pods)
         for key in [k for k in self.errors_total if k[0] not in present]:
             del self.errors_total[key]
         for gone in self._failing.keys() - present:
@@ -455,6 +445,10 @@ class MetricsScraper:
         self._seen[key] = made_at
         return True
 
+    def close(self) -> None:
+        """Close the connections kept to engines (`run` does it when it stops)."""
+        self._client.close()
+
     def wake(self) -> None:
         """Run the next tick now (the replicas sharing the scrapes changed)."""
         self._wake.set()
@@ -462,62 +456,61 @@ class MetricsScraper:
     def probe(self, pod: Pod) -> None:
         """Scrape this pod now, outside the tick (a request on it just failed): a dead engine
         refuses at once and leaves rotation, instead of taking requests until the next tick.
-        At most one probe per pod at a time; nothing before `run` has opened its session."""
-        session = self._session
-        if session is None or pod.key in self._probing:
+        At most one probe per pod at a time; none before `run`."""
+        if not self._running or pod.key in self._probing:
             return
         self._probing.add(pod.key)
-        task = asyncio.get_running_loop().create_task(self._probe(session, pod))
+        task = asyncio.get_running_loop().create_task(self._probe(pod))
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def _probe(self, session: aiohttp.ClientSession, pod: Pod) -> None:
+    async def _probe(self, pod: Pod) -> None:
         # The pod leaves `_probing` in the same step that records the probe's verdict: a done
         # callback runs a loop turn later, and a failure seen in that turn asked for no probe.
         try:
-            await self._scrape(session, pod)
+            await self._scrape(pod)
         finally:
             self._probing.discard(pod.key)
 
     async def run(self) -> None:
-        # No connector limit (see MAX_CONCURRENT_SCRAPES); each pod keeps its connection alive
-        # between ticks.
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            self._session = session
-            watch = asyncio.get_running_loop().create_task(self._watch_silence())
-            task = asyncio.current_task()
-            try:
-                next_at = self._clock()
-                while True:
-                    # The Redis client (the scrape exchange) can swallow a cancellation that
-                    # lands as its call completes on Python 3.11; the task stays marked as
-                    # cancelling, so honour that here, or stopping would wait forever.
-                    if task is not None and task.cancelling():
-                        raise asyncio.CancelledError
-                    # Cleared before the tick reads who scrapes what: a change of scrapers
-                    # during the tick wakes the next one at once instead of being lost.
-                    self._wake.clear()
-                    try:
-                        await self.tick(session)
-                    except Exception:  # a bug here must not stop scraping for good
-                        log.exception("metrics refresh failed")
-                    # A tick that overran does not make the next ones run back to back.
-                    next_at = max(next_at + self._interval_s, self._clock())
-                    # `asyncio.timeout`, not `wait_for` (which can swallow a cancellation too).
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(max(0.0, next_at - self._clock())):
-                            await self._wake.wait()
-                        # Woken: the scrapers changed, and pods of one that left are this
-                        # replica's now. The period restarts from this tick.
-                        next_at = self._clock()
-            finally:
-                watch.cancel()
+        # Each pod keeps its connection alive between ticks (`MetricsClient`).
+        self._running = True
+        watch = asyncio.get_running_loop().create_task(self._watch_silence())
+        task = asyncio.current_task()
+        try:
+            next_at = self._clock()
+            while True:
+                # The Redis client (the scrape exchange) can swallow a cancellation that
+                # lands as its call completes on Python 3.11; the task stays marked as
+                # cancelling, so honour that here, or stopping would wait forever.
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError
+                # Cleared before the tick reads who scrapes what: a change of scrapers
+                # during the tick wakes the next one at once instead of being lost.
+                self._wake.clear()
+                try:
+                    await self.tick()
+                except Exception:  # a bug here must not stop scraping for good
+                    log.exception("metrics refresh failed")
+                # A tick that overran does not make the next ones run back to back.
+                next_at = max(next_at + self._interval_s, self._clock())
+                # `asyncio.timeout`, not `wait_for` (which can swallow a cancellation too).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, next_at - self._clock())):
+                        await self._wake.wait()
+                    # Woken: the scrapers changed, and pods of one that left are this
+                    # replica's now. The period restarts from this tick.
+                    next_at = self._clock()
+        finally:
+            watch.cancel()
+            self._running = False
+            self.close()
 
     async def _watch_silence(self) -> None:
         """Probe pods whose open streams all went quiet for longer than a scrape may take
         (`PodPool.silent`): a hung engine leaves rotation a probe's timeout later, not at the
         next tick. Between ticks only: the watch costs one pass over the pods per period."""
-        silent_s = self._timeout.total or 0.0
+        silent_s = self._timeout_s
         while True:
             await asyncio.sleep(SILENCE_CHECK_S)
             try:

@@ -505,7 +505,7 @@ async def test_tick_records_good_pod_and_counts_failing_ones(
     fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
     """a answers its page, b answers 500 (alive, page of no use), c refuses the connection."""
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
 
     assert fleet.engine_a.hits == 1 and fleet.engine_b.hits == 1
     a, b, c = fleet.a.key, fleet.b.key, fleet.c.key
@@ -534,7 +534,7 @@ async def test_tick_records_good_pod_and_counts_failing_ones(
         leases.append(fleet.pool.acquire(answer.candidate.pod))
     assert (fleet.pool.inflight(a), fleet.pool.inflight(b)) == (3, 3)
 
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     assert fleet.scraper.errors_total == {(b, "unusable"): 2, (c, "unreachable"): 2}
 
 
@@ -543,7 +543,7 @@ async def test_a_pod_that_answers_again_comes_back_and_one_that_stops_leaves(
 ) -> None:
     """Unreachable, then answering with a page of no use: back in rotation; then refusing
     again: out."""
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     c = fleet.c.key
     assert fleet.pool.unreachable(c)
     fleet.pool.set_pods(
@@ -555,11 +555,11 @@ async def test_a_pod_that_answers_again_comes_back_and_one_that_stops_leaves(
             ),
         ]
     )
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     assert not fleet.pool.unreachable(c)
     assert c in _by_key(fleet.pool, fleet.clock.now)
     fleet.pool.set_pods([fleet.a, fleet.b, fleet.c])  # its old, refused address
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     assert fleet.pool.unreachable(c) and c not in _by_key(fleet.pool, fleet.clock.now)
 
 
@@ -570,7 +570,7 @@ async def test_garbage_body_counts_as_an_unusable_scrape(
     pod = _pod("g", engine.port)
     pool, scraper = _one_pod_scraper(pod)
 
-    await scraper.tick(http)
+    await scraper.tick()
 
     assert engine.hits == 2  # asked by name, then for the whole page in case that holds more
     assert scraper.errors_total == {(pod.key, "unusable"): 1}
@@ -588,7 +588,7 @@ async def test_stale_metrics_are_hidden_from_strategies(
     fleet: Fleet, http: aiohttp.ClientSession, age_s: float, visible: bool
 ) -> None:
     scraped_at = fleet.clock.now
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     fleet.clock.now = scraped_at + age_s
 
     expected = (2.0, 0.4375) if visible else (None, None)
@@ -598,11 +598,11 @@ async def test_stale_metrics_are_hidden_from_strategies(
 async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
     fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     first = fleet.clock.now
     fleet.engine_a.status = 503
     fleet.clock.now = first + 2.0
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
 
     assert fleet.scraper.errors_total[(fleet.a.key, "unusable")] == 1
     # Still within max age of the last good scrape: visible.
@@ -614,7 +614,7 @@ async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
     fleet.engine_a.status = 200
     fleet.engine_a.body = "vllm:num_requests_waiting 5\nvllm:kv_cache_usage_perc 0.9\n"
     fleet.clock.now = first + 10.0
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == (5.0, 0.9)
     assert fleet.scraper.errors_total[(fleet.a.key, "unusable")] == 1
     assert fleet.pool.snapshot(fleet.clock.now)["pods"][fleet.a.key]["metrics_unusable"] is None
@@ -622,7 +622,7 @@ async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
 
 async def test_tick_refreshes_capacity(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     pool, key = fleet.pool, fleet.a.key
-    await fleet.scraper.tick(http)  # first refresh: the window's base
+    await fleet.scraper.tick()  # first refresh: the window's base
     assert pool.capacity(key) is None
 
     lease = pool.acquire(fleet.a)
@@ -634,7 +634,7 @@ async def test_tick_refreshes_capacity(fleet: Fleet, http: aiohttp.ClientSession
     assert pool.capacity(key) is None  # counted, but not a rate until the next refresh
 
     fleet.clock.now += 10.0
-    await fleet.scraper.tick(http)
+    await fleet.scraper.tick()
     assert pool.capacity(key) == pytest.approx(50.0)
     assert pool.capacity(fleet.b.key) is None  # no tokens, no estimate
     assert next(
@@ -650,10 +650,10 @@ async def test_tick_with_no_pods_still_refreshes_capacity(
     clock = FakeClock(0.0)
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=1.0, clock=clock)
     estimator.add_tokens("gone/pod", 0)
-    await scraper.tick(http)
+    await scraper.tick()
     estimator.add_tokens("gone/pod", 100)
     clock.now = 4.0
-    await scraper.tick(http)
+    await scraper.tick()
     assert estimator.estimate("gone/pod") == pytest.approx(25.0)
     assert scraper.errors_total == {}
 
@@ -677,7 +677,7 @@ async def test_ipv6_pod_address_is_bracketed(
     pool = PodPool(CapacityEstimator(), metrics_max_age_s=MAX_AGE_S)
     pool.set_pods([pod])
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=FakeClock())
-    await scraper.tick(http)
+    await scraper.tick()
     assert scraper.errors_total == {}
     assert _by_key(pool, 100.0)[pod.key] == (4.0, None)
 
@@ -698,7 +698,7 @@ async def test_a_large_page_is_read_whole(serve: ServeFn, http: aiohttp.ClientSe
     pool.set_pods([pod])
     clock = FakeClock()
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=5.0, clock=clock)
-    await scraper.tick(http)
+    await scraper.tick()
     assert scraper.errors_total == {}
     candidate = pool.candidates(pod.model, clock())[0]
     assert (candidate.running, candidate.waiting, candidate.kv_usage) == (0, 2.0, 0.5)
@@ -757,7 +757,7 @@ async def test_the_scraper_asks_for_its_samples_by_name_uncompressed(
     port, engine = await _serve_by_name(serve_app, _vllm_registry())
     pod = _pod("v", port)
     pool, scraper = _one_pod_scraper(pod)
-    await scraper.tick(http)
+    await scraper.tick()
     assert scraper.errors_total == {}
     assert "vllm:num_requests_running" in engine.asked[0]
     assert "vllm:e2e_request_latency_seconds_bucket" not in engine.asked[0]
@@ -789,11 +789,11 @@ async def test_an_engine_that_drops_named_samples_is_read_whole_from_then_on(
     port, engine = await _serve_by_name(serve_app, registry)
     pod = _pod("mp", port)
     pool, scraper = _one_pod_scraper(pod)
-    await scraper.tick(http)
+    await scraper.tick()
     assert scraper.errors_total == {}
     assert [bool(names) for names in engine.asked] == [True, False]  # by name, then whole
     assert pool.snapshot(scraper._clock())["pods"][pod.key]["engine"]["running"] == 3.0
-    await scraper.tick(http)
+    await scraper.tick()
     assert [bool(names) for names in engine.asked] == [True, False, False]
 
 
@@ -811,7 +811,7 @@ async def test_a_redirect_is_not_followed(
     port = await serve_app(app)
     pod = _pod("r", port)
     pool, scraper = _one_pod_scraper(pod)
-    await scraper.tick(http)
+    await scraper.tick()
     assert target.hits == 0
     assert scraper.errors_total == {(pod.key, "unusable"): 1}  # an answer: still in rotation
     assert not pool.unreachable(pod.key)
@@ -918,10 +918,10 @@ async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(
     clock = FakeClock()
     scraper = MetricsScraper(pool, interval_s=1.0, timeout_s=2.0, clock=clock)
 
-    await scraper.tick(http)
+    await scraper.tick()
     readings.append(Reading(running=7.0, waiting=3.0, kv=0.5, generated=1250.0))
     clock.now += 1.0
-    await scraper.tick(http)
+    await scraper.tick()
 
     assert paths == ["/prometheus/metrics"] * 2
     assert scraper.errors_total == {(elsewhere.key, "unusable"): 2}
