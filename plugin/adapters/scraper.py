@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -95,69 +96,56 @@ _SHARED_FIELDS = tuple(
 OK, DOWN = "ok", "down"
 
 
+_shared_values = operator.attrgetter(*_SHARED_FIELDS)
+
+
 def encode_scrape(metrics: EngineMetrics) -> list[Any]:
     """A successful scrape as the gateways share it."""
-    return [OK, metrics.generation_tokens_stepwise, *(getattr(metrics, f) for f in _SHARED_FIELDS)]
+    return [OK, metrics.generation_tokens_stepwise, *_shared_values(metrics)]
 
 
 def _decode(values: list[Any]) -> EngineMetrics:
     """Raises ValueError or TypeError for a record of another shape."""
     if len(values) != 2 + len(_SHARED_FIELDS):
         raise ValueError("wrong length")
-    fields = {}
-    for name, value in zip(_SHARED_FIELDS, values[2:], strict=True):
-        fields[name] = None if value is None else float(value)
+    floats = [None if v is None else float(v) for v in values[2:]]
+    fields = dict(zip(_SHARED_FIELDS, floats, strict=True))
     return EngineMetrics(**fields, generation_tokens_stepwise=bool(values[1]))
 
 
-# One scan of the page for the wanted lines: a line that starts with a wanted name followed by
-# its labels, a space or a tab (so a longer name never passes for a shorter one). The page is
+# One scan of the page for the wanted samples, each as (name, labels, the rest of the line): a
+# line that starts with a wanted name followed by its labels, a space or a tab (so a longer
+# name never passes for a shorter one). The labels run to the line's last `}` (a label value
+# may hold spaces and braces; the value and timestamp after it hold neither). The page is
 # scanned with a newline put in front, so every line starts after one; the regex engine skips
 # from newline to newline in C, where a Python loop over a real vLLM page's 440 lines cost
 # about 2.4 times as much (`docs/plugin-cost.md`).
-_WANTED_LINE = re.compile(
-    "\n((?:" + "|".join(re.escape(n) for n in sorted(_WANTED)) + ")(?:[{ \t][^\n]*)?)(?=\n|\\Z)"
+_WANTED_SAMPLE = re.compile(
+    "\n("
+    + "|".join(re.escape(n) for n in sorted(_WANTED))
+    + ")(?=[{ \t\r\n]|\\Z)(\\{[^\n]*\\})?([^\n]*)"
 )
-# Label sets seen on pages, parsed once by prometheus_client: a pod's series are the same text
-# every scrape (and usually the same across the pods of a model), so only the value changes.
-# Bounded: cleared when full, then refilled from the next pages.
-_SERIES: dict[str, tuple[str, dict[str, str]]] = {}
+# The engine a token counter's label set names (its labels but the tensor-parallel rank's),
+# per label set seen on pages, parsed once by prometheus_client (which also rejects a garbled
+# one): a pod's series are the same text every scrape, so only the value changes. Bounded:
+# cleared when full, then refilled from the next pages.
+_ENGINES: dict[str, tuple[tuple[str, str], ...]] = {}
 MAX_SERIES = 65536
 
 
-def wanted_lines(text: str) -> list[str]:
-    """The sample lines of the page whose metric name is a wanted one, in page order."""
-    return [line.rstrip("\r") for line in _WANTED_LINE.findall("\n" + text)]
-
-
-def _series(series: str) -> tuple[str, dict[str, str]]:
-    """A sample's name and labels, from the text before its value, parsed by prometheus_client
-    the first time the text is seen (with a placeholder value)."""
-    known = _SERIES.get(series)
+def _engine(series: str) -> tuple[tuple[str, str], ...]:
+    known = _ENGINES.get(series)
     if known is None:
         for family in text_string_to_metric_families(series + " 0\n"):
             for sample in family.samples:
-                known = (sample.name, sample.labels)
+                labels = sample.labels.items()
+                known = tuple(sorted((k, v) for k, v in labels if k not in _RANK_LABELS))
         if known is None:
             raise ValueError(f"no sample in {series!r}")
-        if len(_SERIES) >= MAX_SERIES:
-            _SERIES.clear()
-        _SERIES[series] = known
+        if len(_ENGINES) >= MAX_SERIES:
+            _ENGINES.clear()
+        _ENGINES[series] = known
     return known
-
-
-def _sample(line: str) -> tuple[str, dict[str, str], float]:
-    """One sample line: the value is the first field after the series (a label value may hold
-    spaces and braces, but the value and the timestamp after the last `}` hold neither)."""
-    close = line.rfind("}")
-    if close >= 0:
-        series, rest = line[: close + 1], line[close + 1 :].split()
-    else:
-        series, *rest = line.split()
-    if not rest:
-        raise ValueError(f"a sample without a value: {line!r}")
-    name, labels = _series(series)
-    return name, labels, float(rest[0])
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -170,50 +158,61 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     """
     found: dict[str, list[float]] = {}
     generated: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for line in wanted_lines(text):
-        name, labels, value = _sample(line)
-        if name not in _WANTED or math.isnan(value) or (value < 1 and name in _MAX_BATCH):
+    for name, labels, rest in _WANTED_SAMPLE.findall("\n" + text):
+        fields = rest.split(None, 1)
+        if not fields:
+            raise ValueError(f"a sample without a value: {name}{labels}{rest}")
+        value = float(fields[0])
+        # A garbled label set fails the page.
+        engine = _engine(name + labels) if labels else ()
+        if value != value or (value < 1 and name in _MAX_BATCH):  # NaN: skipped
             continue
         if name in _GENERATED:
-            engine = tuple(sorted((k, v) for k, v in labels.items() if k not in _RANK_LABELS))
             per_engine = generated.setdefault(name, {})
             per_engine[engine] = max(value, per_engine.get(engine, value))
         else:
             found.setdefault(name, []).append(value)
     for name, per_engine in generated.items():
         found[name] = list(per_engine.values())
-
-    def first(names: tuple[str, ...], mean: bool = False) -> float | None:
-        for name in names:
-            values = found.get(name)
-            if values:
-                return sum(values) / len(values) if mean else sum(values)
-        return None
-
-    def pair(sums: tuple[str, ...], counts: tuple[str, ...]) -> tuple[float | None, float | None]:
-        """A histogram's sum and count, both from the first family that has both."""
-        for total, count in zip(sums, counts, strict=True):
-            if found.get(total) and found.get(count):
-                return sum(found[total]), sum(found[count])
-        return None, None
-
-    queue_sum, queue_count = pair(_QUEUE_SUM, _QUEUE_COUNT)
-    latency_sum, latency_count = pair(_ITL_SUM, _ITL_COUNT)
-    stepwise = next((n for n in _GENERATED if found.get(n)), None) in _STEPWISE
-
+    if not found:
+        return _NOTHING
+    queue_sum, queue_count = _pair(found, _QUEUE_SUM, _QUEUE_COUNT)
+    latency_sum, latency_count = _pair(found, _ITL_SUM, _ITL_COUNT)
+    generated_by = next((n for n in _GENERATED if n in found), None)
     return EngineMetrics(
-        running=first(_RUNNING),
-        waiting=first(_WAITING),
-        kv_usage=first(_KV, mean=True),
-        cpu_kv_usage=first(_CPU_KV, mean=True),
-        generation_tokens=first(_GENERATED),
-        max_batch=first(_MAX_BATCH),
-        generation_tokens_stepwise=stepwise,
+        running=_first(found, _RUNNING),
+        waiting=_first(found, _WAITING),
+        kv_usage=_first(found, _KV, mean=True),
+        cpu_kv_usage=_first(found, _CPU_KV, mean=True),
+        generation_tokens=_first(found, _GENERATED),
+        max_batch=_first(found, _MAX_BATCH),
+        generation_tokens_stepwise=generated_by in _STEPWISE,
         queue_time_sum=queue_sum,
         queue_time_count=queue_count,
         token_latency_sum=latency_sum,
         token_latency_count=latency_count,
     )
+
+
+def _first(
+    found: dict[str, list[float]], names: tuple[str, ...], mean: bool = False
+) -> float | None:
+    """The first of these samples on the page, summed (or averaged) over its label sets."""
+    for name in names:
+        values = found.get(name)
+        if values:
+            return sum(values) / len(values) if mean else sum(values)
+    return None
+
+
+def _pair(
+    found: dict[str, list[float]], sums: tuple[str, ...], counts: tuple[str, ...]
+) -> tuple[float | None, float | None]:
+    """A histogram's sum and count, both from the first family that has both."""
+    for total, count in zip(sums, counts, strict=True):
+        if total in found and count in found:
+            return sum(found[total]), sum(found[count])
+    return None, None
 
 
 class MetricsScraper:
