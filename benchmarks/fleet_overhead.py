@@ -41,6 +41,7 @@ from aiohttp import web
 from kubernetes import client
 from redis.asyncio import Redis
 
+from plugin.adapters.gc_tuning import collect_young_garbage_less_often
 from plugin.adapters.kubernetes import MODEL_KEY, KubernetesSource, _Worker
 from plugin.adapters.redis_state import GATEWAYS_KEY, RedisState, scrapes_key
 from plugin.adapters.scraper import MetricsScraper, encode_scrape
@@ -331,7 +332,9 @@ async def measure(sizes: list[int], metrics_ports: tuple[int, int], redis_port: 
 
 
 def run_like_serve(main: Coroutine[Any, Any, T]) -> T:
-    """On uvloop where `serve` uses it, so the loops cost what they cost in the plugin."""
+    """On uvloop where `serve` uses it, with its garbage collector settings, so the loops cost
+    what they cost in the plugin."""
+    collect_young_garbage_less_often()
     try:
         import uvloop
     except ImportError:

@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    from plugin.adapters.gc_tuning import collect_young_garbage_less_often
     from plugin.adapters.native_memory import return_large_buffers_to_the_os
     from plugin.adapters.serve import Gateway, build_source, run_until_signal
     from plugin.config import flag_overrides, load_settings
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
         return supervise(settings, env, args.host)
     return_large_buffers_to_the_os()
+    collect_young_garbage_less_often()
     source = build_source(settings)
     main = run_until_signal(Gateway(settings, source, args.host))
     try:
