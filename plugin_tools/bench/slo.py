@@ -49,6 +49,7 @@ from plugin_tools.stats import percentile
 __all__ = [
     "MixResult",
     "SloBench",
+    "ensure_profiles",
     "profile_fleet",
     "run_mix",
     "saved_profiles",
@@ -183,8 +184,11 @@ class MixResult:
     requests: list[Sent] = field(default_factory=list)
 
 
-async def run_mix(fleet: LocalFleet, bench: SloBench, strategy: str) -> MixResult:
-    """Offer the mix (each class its own Poisson stream) through Envoy with `strategy`."""
+async def run_mix(
+    fleet: LocalFleet, bench: SloBench, strategy: str, url: str | None = None
+) -> MixResult:
+    """Offer the mix (each class its own Poisson stream) through Envoy with `strategy`: the
+    fleet's own, or the one at `url`."""
 
     async def one(k: int, cls: RequestClass) -> list[Sent]:
         workload = Workload(
@@ -195,7 +199,11 @@ async def run_mix(fleet: LocalFleet, bench: SloBench, strategy: str) -> MixResul
             seed=bench.seed * 100 + k,
         )
         results = await run_open_loop(
-            fleet.envoy_url, bench.model, workload, strategy=strategy, request_timeout_s=120.0
+            url or fleet.envoy_url,
+            bench.model,
+            workload,
+            strategy=strategy,
+            request_timeout_s=120.0,
         )
         return [Sent(cls.name, r) for r in results]
 
@@ -275,6 +283,21 @@ def saved_profiles(bench: SloBench, profile_dir: Path) -> dict[str, GpuProfile] 
     if not all(f.is_file() for f in files.values()):
         return None
     return {p: parse_profile(orjson.loads(f.read_bytes())) for p, f in files.items()}
+
+
+async def ensure_profiles(
+    bench: SloBench, profile_dir: Path, log: Callable[[str], None] = print
+) -> tuple[dict[str, GpuProfile], bool]:
+    """The profiles an earlier run left in `profile_dir`, else swept there now on a fleet of
+    its own; and whether they were swept now."""
+    from plugin_tools.demo.fleet import free_port
+
+    saved = saved_profiles(bench, profile_dir)
+    if saved is not None:
+        log(f"routing by the profiles in {profile_dir} (no sweep)")
+        return saved, False
+    async with slo_fleet(bench, profile_dir, bench.listen_port or free_port()) as fleet:
+        return await profile_fleet(fleet, bench, profile_dir, log), True
 
 
 async def run_bench(
