@@ -119,11 +119,7 @@ async def run(tmp: Path, replicas: int, shared: bool, seed: int) -> Result:
         logs = tmp / f"{replicas}-{'shared' if shared else 'own'}"
         logs.mkdir()
         async with LocalFleet(spec, str(logs)) as fleet:
-            extra = [
-                await fleet.start_plugin_replica(f"replica-{i}", {**env, "POD_NAME": f"r-{i}"})
-                for i in range(1, replicas)
-            ]
-            url = await fleet.start_replicas_envoy(extra)
+            url, extra = await fleet.start_replicas(replicas, env)
             plugins = [fleet.plugin_url, *(r.plugin_url for r in extra)]
             timeout = aiohttp.ClientTimeout(total=60)
             async with aiohttp.ClientSession(timeout=timeout) as session:

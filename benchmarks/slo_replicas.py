@@ -51,11 +51,7 @@ async def run_replicas(
         logs = tmp / f"replicas-{replicas}"
         logs.mkdir()
         async with LocalFleet(spec, str(logs)) as fleet:
-            extra = [
-                await fleet.start_plugin_replica(f"replica-{i}", {**env, "POD_NAME": f"r-{i}"})
-                for i in range(1, replicas)
-            ]
-            url = await fleet.start_replicas_envoy(extra)
+            url, _ = await fleet.start_replicas(replicas, env)
             for label, mixed in (("full", bench), ("light", light)):
                 for strategy in bench.strategies:
                     result = await run_mix(fleet, mixed, strategy, url=url)

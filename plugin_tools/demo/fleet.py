@@ -317,6 +317,18 @@ class LocalFleet:
         await self._wait_http(f"{name}-plugin", gw.plugin, f"{gw.plugin_url}/readyz")
         return gw
 
+    async def start_replicas(
+        self, count: int, plugin_env: dict[str, str]
+    ) -> tuple[str, list[ExtraGateway]]:
+        """`count` plugin replicas behind one Envoy: the fleet's own plugin and `count - 1`
+        more (`start_plugin_replica`, `plugin_env` on top of the spec's and a POD_NAME each);
+        the Envoy's URL and the replicas started here."""
+        extra = [
+            await self.start_plugin_replica(f"replica-{i}", {**plugin_env, "POD_NAME": f"r-{i}"})
+            for i in range(1, count)
+        ]
+        return await self.start_replicas_envoy(extra), extra
+
     async def start_replicas_envoy(self, replicas: Sequence[ExtraGateway]) -> str:
         """An Envoy whose ext_proc cluster holds the fleet's own plugin and `replicas`
         (`start_plugin_replica`); returns its URL. `stop()` stops it too."""
