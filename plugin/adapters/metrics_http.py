@@ -77,7 +77,7 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._fail(MetricsPageUnusable(f"malformed HTTP answer: {exc}"))
             self.abort()
 
