@@ -2,7 +2,7 @@
 
 The fleet, profiles and mix of `benchmarks/slo_routing.py` (mock engines a100 and v100, profiles
 swept through the gateway at p90 TTFT <= 1 s; with `--profiles` an earlier run's are reused,
-else they are swept first, about 25 minutes). Then two fleets, each fresh: one Envoy whose
+else they are swept first). Then two fleets, each fresh: one Envoy whose
 ext_proc cluster holds 1 plugin replica, then 3, all sharing a real `redis-server` (as a
 deployment with several replicas runs them), so Envoy spreads the requests over the replicas
 and each routes about a third. Under each SLO strategy and `load-balance`, the same mix and
@@ -10,7 +10,8 @@ the same at half its rates. With three replicas the SLO load each request takes 
 shared through Redis (`docs/operations.md`); what this measures is whether three replicas keep
 the SLO as one does.
 
-    python benchmarks/slo_replicas.py --profiles DIR   # about 12 minutes with saved profiles
+    python benchmarks/slo_replicas.py --profiles DIR   # about 20 minutes with saved profiles
+                                                       # (the sweeps: about 40 minutes more)
 
 Writes its table into docs/benchmarks.md between the slo-replicas markers.
 """
