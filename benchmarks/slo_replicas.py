@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from plugin.core.profile import GpuProfile
-from plugin_tools.bench.slo import SloBench, ensure_profiles, run_mix, score
+from plugin_tools.bench.slo import SloBench, ensure_profiles, light_mix, run_mix, score
 from plugin_tools.demo.fleet import LocalFleet, free_port
 from plugin_tools.demo.redis_server import RedisServer
 from plugin_tools.docsection import write_section
@@ -41,9 +41,6 @@ async def run_replicas(
     bench: SloBench, profiles: dict[str, GpuProfile], profile_dir: Path, replicas: int, tmp: Path
 ) -> list[dict[str, Any]]:
     """Every strategy on both mixes through one Envoy over `replicas` plugin replicas."""
-    light = replace(
-        bench, mix=tuple(replace(c, rate_per_s=c.rate_per_s * bench.light) for c in bench.mix)
-    )
     runs = []
     async with RedisServer() as redis:
         env = {"REDIS_HOST": redis.host, "REDIS_PORT": str(redis.port)}
@@ -53,7 +50,7 @@ async def run_replicas(
         logs.mkdir()
         async with LocalFleet(spec, str(logs)) as fleet:
             url, _ = await fleet.start_replicas(replicas, env)
-            for label, mixed in (("full", bench), ("light", light)):
+            for label, mixed in (("full", bench), ("light", light_mix(bench))):
                 for strategy in bench.strategies:
                     result = await run_mix(fleet, mixed, strategy, url=url)
                     scored = score(result, mixed, profiles) | {"mix": label, "replicas": replicas}

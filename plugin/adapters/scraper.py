@@ -134,6 +134,7 @@ MAX_SERIES = 65536
 
 
 def _engine(series: str) -> tuple[tuple[str, str], ...]:
+    """The engine a sample's series names (`_ENGINES`); ValueError for a garbled one."""
     known = _ENGINES.get(series)
     if known is None:
         for family in text_string_to_metric_families(series + " 0\n"):

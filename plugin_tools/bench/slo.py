@@ -50,6 +50,7 @@ __all__ = [
     "MixResult",
     "SloBench",
     "ensure_profiles",
+    "light_mix",
     "profile_fleet",
     "run_mix",
     "saved_profiles",
@@ -286,18 +287,30 @@ def saved_profiles(bench: SloBench, profile_dir: Path) -> dict[str, GpuProfile] 
 
 
 async def ensure_profiles(
-    bench: SloBench, profile_dir: Path, log: Callable[[str], None] = print
+    bench: SloBench,
+    profile_dir: Path,
+    log: Callable[[str], None] = print,
+    fleet: LocalFleet | None = None,
 ) -> tuple[dict[str, GpuProfile], bool]:
-    """The profiles an earlier run left in `profile_dir`, else swept there now on a fleet of
-    its own; and whether they were swept now."""
+    """The profiles an earlier run left in `profile_dir`, else swept there now on `fleet` (or
+    a fleet of its own); and whether they were swept now."""
     from plugin_tools.demo.fleet import free_port
 
     saved = saved_profiles(bench, profile_dir)
     if saved is not None:
         log(f"routing by the profiles in {profile_dir} (no sweep)")
         return saved, False
-    async with slo_fleet(bench, profile_dir, bench.listen_port or free_port()) as fleet:
+    if fleet is not None:
         return await profile_fleet(fleet, bench, profile_dir, log), True
+    async with slo_fleet(bench, profile_dir, bench.listen_port or free_port()) as own:
+        return await profile_fleet(own, bench, profile_dir, log), True
+
+
+def light_mix(bench: SloBench) -> SloBench:
+    """The same mix at `bench.light` times its rates."""
+    return replace(
+        bench, mix=tuple(replace(c, rate_per_s=c.rate_per_s * bench.light) for c in bench.mix)
+    )
 
 
 async def run_bench(
@@ -313,19 +326,10 @@ async def run_bench(
 
     port = bench.listen_port or free_port()
     profile_dir = profile_dir or workdir / "profiles"
-    saved = saved_profiles(bench, profile_dir)
-    fleet = slo_fleet(bench, profile_dir, port)
-    async with fleet:
-        if saved is not None:
-            log(f"routing by the profiles in {profile_dir} (no sweep)")
-            profiles = saved
-        else:
-            profiles = await profile_fleet(fleet, bench, profile_dir, log)
+    async with slo_fleet(bench, profile_dir, port) as fleet:
+        profiles, swept = await ensure_profiles(bench, profile_dir, log, fleet)
         runs = []
-        light = replace(
-            bench, mix=tuple(replace(c, rate_per_s=c.rate_per_s * bench.light) for c in bench.mix)
-        )
-        for label, mixed in (("full", bench), ("light", light)):
+        for label, mixed in (("full", bench), ("light", light_mix(bench))):
             for strategy in bench.strategies:
                 result = await run_mix(fleet, mixed, strategy)
                 scored = score(result, mixed, profiles) | {"mix": label}
@@ -340,7 +344,7 @@ async def run_bench(
     return {
         "bench": _describe(bench),
         "profiles": {k: p.to_json() for k, p in profiles.items()},
-        "swept": saved is None,  # False: routed by an earlier run's profiles
+        "swept": swept,  # False: routed by an earlier run's profiles
         "runs": runs,
     }
 

@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -501,9 +500,7 @@ def _by_key(pool: PodPool, now: float) -> dict[str, tuple[float | None, float | 
     return {c.pod.key: (c.waiting, c.kv_usage) for c in pool.candidates(MODEL, now)}
 
 
-async def test_tick_records_good_pod_and_counts_failing_ones(
-    fleet: Fleet, http: aiohttp.ClientSession
-) -> None:
+async def test_tick_records_good_pod_and_counts_failing_ones(fleet: Fleet) -> None:
     """a answers its page, b answers 500 (alive, page of no use), c refuses the connection."""
     await fleet.scraper.tick()
 
@@ -538,9 +535,7 @@ async def test_tick_records_good_pod_and_counts_failing_ones(
     assert fleet.scraper.errors_total == {(b, "unusable"): 2, (c, "unreachable"): 2}
 
 
-async def test_a_pod_that_answers_again_comes_back_and_one_that_stops_leaves(
-    fleet: Fleet, http: aiohttp.ClientSession
-) -> None:
+async def test_a_pod_that_answers_again_comes_back_and_one_that_stops_leaves(fleet: Fleet) -> None:
     """Unreachable, then answering with a page of no use: back in rotation; then refusing
     again: out."""
     await fleet.scraper.tick()
@@ -563,9 +558,7 @@ async def test_a_pod_that_answers_again_comes_back_and_one_that_stops_leaves(
     assert fleet.pool.unreachable(c) and c not in _by_key(fleet.pool, fleet.clock.now)
 
 
-async def test_garbage_body_counts_as_an_unusable_scrape(
-    serve: ServeFn, http: aiohttp.ClientSession
-) -> None:
+async def test_garbage_body_counts_as_an_unusable_scrape(serve: ServeFn) -> None:
     engine = await serve(Engine(port=0, body="<html><body>Not Found</body></html>\n"))
     pod = _pod("g", engine.port)
     pool, scraper = _one_pod_scraper(pod)
@@ -585,7 +578,7 @@ async def test_garbage_body_counts_as_an_unusable_scrape(
     ids=["fresh", "exactly-max-age", "just-stale", "long-stale"],
 )
 async def test_stale_metrics_are_hidden_from_strategies(
-    fleet: Fleet, http: aiohttp.ClientSession, age_s: float, visible: bool
+    fleet: Fleet, age_s: float, visible: bool
 ) -> None:
     scraped_at = fleet.clock.now
     await fleet.scraper.tick()
@@ -595,9 +588,7 @@ async def test_stale_metrics_are_hidden_from_strategies(
     assert _by_key(fleet.pool, fleet.clock.now)[fleet.a.key] == expected
 
 
-async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
-    fleet: Fleet, http: aiohttp.ClientSession
-) -> None:
+async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(fleet: Fleet) -> None:
     await fleet.scraper.tick()
     first = fleet.clock.now
     fleet.engine_a.status = 503
@@ -620,7 +611,7 @@ async def test_failing_scrape_keeps_old_metrics_until_they_go_stale(
     assert fleet.pool.snapshot(fleet.clock.now)["pods"][fleet.a.key]["metrics_unusable"] is None
 
 
-async def test_tick_refreshes_capacity(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+async def test_tick_refreshes_capacity(fleet: Fleet) -> None:
     pool, key = fleet.pool, fleet.a.key
     await fleet.scraper.tick()  # first refresh: the window's base
     assert pool.capacity(key) is None
@@ -642,9 +633,7 @@ async def test_tick_refreshes_capacity(fleet: Fleet, http: aiohttp.ClientSession
     ).capacity == (pytest.approx(50.0))
 
 
-async def test_tick_with_no_pods_still_refreshes_capacity(
-    http: aiohttp.ClientSession,
-) -> None:
+async def test_tick_with_no_pods_still_refreshes_capacity() -> None:
     estimator = CapacityEstimator(window_s=60.0, tau_s=10.0)
     pool = PodPool(estimator)
     clock = FakeClock(0.0)
@@ -658,9 +647,7 @@ async def test_tick_with_no_pods_still_refreshes_capacity(
     assert scraper.errors_total == {}
 
 
-async def test_ipv6_pod_address_is_bracketed(
-    http: aiohttp.ClientSession, serve_app: ServeApp
-) -> None:
+async def test_ipv6_pod_address_is_bracketed(serve_app: ServeApp) -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     app = web.Application()
@@ -682,7 +669,7 @@ async def test_ipv6_pod_address_is_bracketed(
     assert _by_key(pool, 100.0)[pod.key] == (4.0, None)
 
 
-async def test_a_large_page_is_read_whole(serve: ServeFn, http: aiohttp.ClientSession) -> None:
+async def test_a_large_page_is_read_whole(serve: ServeFn) -> None:
     """A real vLLM page is big and arrives in many socket reads; the wanted lines may be last."""
     filler = "".join(f'vllm:some_histogram_bucket{{le="{i}"}} {i}\n' for i in range(60000))
     body = (
@@ -751,9 +738,7 @@ def _vllm_registry() -> CollectorRegistry:
     return registry
 
 
-async def test_the_scraper_asks_for_its_samples_by_name_uncompressed(
-    serve_app: ServeApp, http: aiohttp.ClientSession
-) -> None:
+async def test_the_scraper_asks_for_its_samples_by_name_uncompressed(serve_app: ServeApp) -> None:
     port, engine = await _serve_by_name(serve_app, _vllm_registry())
     pod = _pod("v", port)
     pool, scraper = _one_pod_scraper(pod)
@@ -782,7 +767,7 @@ class _Unnamed:
 
 
 async def test_an_engine_that_drops_named_samples_is_read_whole_from_then_on(
-    serve_app: ServeApp, http: aiohttp.ClientSession
+    serve_app: ServeApp,
 ) -> None:
     registry = CollectorRegistry()
     registry.register(_Unnamed())
@@ -797,9 +782,7 @@ async def test_an_engine_that_drops_named_samples_is_read_whole_from_then_on(
     assert [bool(names) for names in engine.asked] == [True, False, False]
 
 
-async def test_a_redirect_is_not_followed(
-    serve: ServeFn, serve_app: ServeApp, http: aiohttp.ClientSession
-) -> None:
+async def test_a_redirect_is_not_followed(serve: ServeFn, serve_app: ServeApp) -> None:
     """A /metrics answering 302 must not make the gateway fetch the address it names."""
     target = await serve(Engine(port=0))
 
@@ -887,9 +870,7 @@ async def test_a_pod_whose_streams_went_silent_is_probed_between_ticks(serve: Se
             await running
 
 
-async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(
-    serve_app: ServeApp, http: aiohttp.ClientSession
-) -> None:
+async def test_a_tensorrt_llm_pod_is_scraped_at_its_own_path(serve_app: ServeApp) -> None:
     """`trtllm-serve` answers /prometheus/metrics and 404 at /metrics: a pod discovered with
     engine `trtllm` is scraped there, and its page's values reach the pool (running, waiting,
     KV usage, the token counter, and the batch cap the engine exports)."""
