@@ -131,6 +131,8 @@ class Gateway:
             CapacityEstimator(settings.capacity_window_s, settings.capacity_tau_s),
             settings.metrics_max_age_s,
             settings.ejection,
+            slow_start_s=settings.slow_start_s,
+            slow_start_min=settings.slow_start_min,
         )
         # GPU profiles (SLO routing): from the directory when one is set, else from Redis.
         self.profiles = ProfileBook()

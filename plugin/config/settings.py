@@ -63,6 +63,8 @@ from plugin.config.variables import (
     SHARED_PREFIX_INDEX,
     SHARED_SCRAPE,
     SLO_MAX_WAIT_MS,
+    SLOW_START_MIN_PERCENT,
+    SLOW_START_WINDOW_S,
     TRACING,
     WORKERS,
 )
@@ -128,6 +130,8 @@ class Settings:
     metrics_max_age_intervals: int = METRICS_MAX_AGE_INTERVALS.default
     capacity_window_s: float = CAPACITY_WINDOW_S.default
     capacity_tau_s: float = CAPACITY_TAU_S.default
+    slow_start_s: float = SLOW_START_WINDOW_S.default
+    slow_start_min: float = SLOW_START_MIN_PERCENT.default / 100.0
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     log_level: str = LOG_LEVEL.default
     drain_s: float = DRAIN_S.default
@@ -290,6 +294,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         metrics_max_age_intervals=METRICS_MAX_AGE_INTERVALS.read(env),
         capacity_window_s=CAPACITY_WINDOW_S.read(env),
         capacity_tau_s=CAPACITY_TAU_S.read(env),
+        slow_start_s=SLOW_START_WINDOW_S.read(env),
+        slow_start_min=SLOW_START_MIN_PERCENT.read(env) / 100.0,
         ejection=_ejection_policy(EJECT_CONSECUTIVE_5XX.read(env), EJECT_BASE_S.read(env)),
         log_level=LOG_LEVEL.read(env),
         drain_s=DRAIN_S.read(env),

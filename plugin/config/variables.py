@@ -267,6 +267,21 @@ CAPACITY_TAU_S: Var[float] = Var(
     10.0,
     "Time constant of the EWMA that smooths the capacity estimate.",
 )
+SLOW_START_WINDOW_S: Var[float] = Var(
+    "HETERO_GATEWAY_SLOW_START_WINDOW_S",
+    Float(ge=0, le=3600, unit=_S),
+    60.0,
+    "A pod that has not learned its capacity is scored at a share of where it starts, growing"
+    " linearly to all of it over this long after it turns ready (Envoy's slow start; 0: off);"
+    " its own estimate replaces the start as soon as it has one.",
+)
+SLOW_START_MIN_PERCENT: Var[float] = Var(
+    "HETERO_GATEWAY_SLOW_START_MIN_PERCENT",
+    Float(gt=0, le=100),
+    2.0,
+    "The share of its start, in percent, a pod that just turned ready is scored at (Envoy's"
+    " `min_weight_percent`, whose default is 10).",
+)
 _EJECT = EjectionPolicy()
 EJECT_CONSECUTIVE_5XX: Var[int] = Var(
     "HETERO_GATEWAY_EJECT_CONSECUTIVE_5XX",
@@ -486,6 +501,8 @@ ENV_VARS: tuple[Var[Any], ...] = (
     METRICS_MAX_AGE_INTERVALS,
     CAPACITY_WINDOW_S,
     CAPACITY_TAU_S,
+    SLOW_START_WINDOW_S,
+    SLOW_START_MIN_PERCENT,
     EJECT_CONSECUTIVE_5XX,
     EJECT_BASE_S,
     LOG_LEVEL,

@@ -18,7 +18,7 @@ from typing import Any
 from plugin.core.batch_cap import CapLearning
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.config_profile import ModelConfig
-from plugin.core.fair_start import starting_capacities
+from plugin.core.fair_start import SLOW_START_MIN, slow_start_share, starting_capacities
 from plugin.core.lease import Lease
 from plugin.core.pod_speed import PodSpeed
 from plugin.core.pool_state import EjectionPolicy, ModelState, PodRecord, Scraped
@@ -42,12 +42,15 @@ class PodPool:
         "_fair_start",
         "_metrics_max_age_s",
         "_models",
+        "_now",
         "_pods",
         "_profiles",
+        "_ready_since",
         "_records",
         "_remote",
         "_remote_load",
         "_shared",
+        "_slow_start",
         "loaded",
         "on_change",
         "on_failure",
@@ -62,11 +65,18 @@ class PodPool:
         saturation_probe_s: float = 60.0,
         saturation_scrapes: int = 4,
         fair_start: bool = True,
+        slow_start_s: float = 60.0,
+        slow_start_min: float = SLOW_START_MIN,
     ) -> None:
         """`fair_start`: a pod without a learned capacity starts from its deployment's peers
-        (`plugin.core.fair_start`); False leaves it without one (scored at the pool's mean)."""
+        (`plugin.core.fair_start`); False leaves it without one (scored at the pool's mean).
+        `slow_start_s`: the start is ramped in over this long from `slow_start_min` of it
+        (0: no ramp)."""
         self._capacity = capacity
         self._fair_start = fair_start
+        self._slow_start = (slow_start_s, slow_start_min)
+        self._ready_since: dict[str, float] = {}  # pods scored at a start: first tick ready
+        self._now: float | None = None  # the last capacity refresh
         self._caps = CapLearning(saturation_probe_s, saturation_scrapes)
         self._ejection = ejection or EjectionPolicy()
         self._metrics_max_age_s = metrics_max_age_s
@@ -103,6 +113,7 @@ class PodPool:
         records = self._records
         for key in self._pods.keys() - new.keys():
             self._capacity.forget(key)
+            self._ready_since.pop(key, None)
             gone = records.pop(key)
             if gone.inflight:  # its streams still end (`stream_ended`), also if it comes back
                 records[key] = gone.leases_only()
@@ -405,6 +416,7 @@ class PodPool:
     def refresh_capacity(self, now: float) -> None:
         """End of a scrape tick: capacity estimates move on, and the metrics just read count."""
         self._capacity.refresh(now)
+        self._now = now
         for state in self._models.values():
             if self._set_capacities(state) and not state.dirty:
                 state.view.reindex()  # here, on the scrape tick, not on a request
@@ -415,8 +427,8 @@ class PodPool:
         (`plugin.core.fair_start`). True when one moved."""
         estimate = self._capacity.estimate
         profiles = None if self._profiles is None else self._profile_of
-        starts = starting_capacities(state.pods, estimate, profiles) if self._fair_start else {}
-        state.starts = starts
+        found = starting_capacities(state.pods, estimate, profiles) if self._fair_start else {}
+        starts = state.starts = self._ramped(state.pods, found) if found else {}
         moved = False
         for candidate in state.view.slots:
             key = candidate.pod.key
@@ -426,6 +438,26 @@ class PodPool:
                 candidate.capacity = capacity
                 moved = True
         return moved
+
+    def _ramped(
+        self, pods: list[Pod], found: dict[str, tuple[float, str]]
+    ) -> dict[str, tuple[float, str, float]]:
+        """Starts scored at their slow-start share (`plugin.core.fair_start`): a pod's age counts
+        from the last capacity refresh (the scrape tick) before it was first seen ready."""
+        window, least = self._slow_start
+        now, since = self._now, self._ready_since
+        ramped: dict[str, tuple[float, str, float]] = {}
+        for pod in pods:
+            start = found.get(pod.key)
+            if start is None:
+                continue
+            first = since.get(pod.key)
+            if first is None and pod.ready and now is not None:
+                first = since[pod.key] = now
+            age = 0.0 if first is None or now is None else now - first
+            share = slow_start_share(age, window, least)
+            ramped[pod.key] = (start[0] * share, start[1], share)
+        return ramped
 
     # shared state (several gateways) ---------------------------------------------------------
     def set_remote_inflight(
@@ -507,7 +539,7 @@ class PodPool:
     def capacity(self, key: str) -> float | None:
         return self._capacity.estimate(key)
 
-    def _start(self, pod: Pod) -> tuple[float, str] | None:
+    def _start(self, pod: Pod) -> tuple[float, str, float] | None:
         """Where a pod without a learned capacity starts, as routing scores it."""
         state = self._models.get(pod.model)
         return None if state is None else state.starts.get(pod.key)

@@ -42,7 +42,8 @@ class ModelState:
     stale: list[tuple[float, int]] = field(default_factory=list)  # heap: (fresh until, order)
     config: ModelConfig | None = None  # the first pod's `model.aibrix.ai/config`, if any
     # Pods without a learned capacity: where they start (`plugin.core.fair_start`).
-    starts: dict[str, tuple[float, str]] = field(default_factory=dict)
+    # (capacity scored, where from, slow-start share of the start)
+    starts: dict[str, tuple[float, str, float]] = field(default_factory=dict)
 
     def recompute(self, now: float, records: Mapping[str, PodRecord]) -> None:
         """Bring the view to `now` from scratch: metrics freshness and the routable set (when
@@ -295,7 +296,7 @@ class PodRecord:
         now: float,
         remote: int,
         capacity: float | None,
-        start: tuple[float, str] | None = None,
+        start: tuple[float, str, float] | None = None,
     ) -> dict[str, Any]:
         """The pod's `/debug/pods` entry (JSON-ready), with other gateways' in-flight count,
         the capacity estimate and, without one, where the pod's capacity starts (the pool keeps
@@ -322,11 +323,15 @@ class PodRecord:
             "output_tokens_estimated": self.estimated,
             "token_source": self.token_source,
             "capacity_tokens_per_s": capacity,
-            # Not learned yet: the capacity it is scored at, and from what (its deployment's
-            # peers, or the lowest learned).
+            # Not learned yet: the capacity it is scored at, from what (its deployment's peers,
+            # the profiles' ratio, or the lowest learned) and the slow start's share of it.
             "capacity_start": None
             if start is None
-            else {"tokens_per_s": round(start[0], 3), "from": start[1]},
+            else {
+                "tokens_per_s": round(start[0], 3),
+                "from": start[1],
+                "slow_start_share": round(start[2], 3),
+            },
             "speed_changes": speed.rescaled,
             "speed_changes_from_chunk_gaps": speed.rescaled_by_gaps,
             # Output tokens per chunk of its streams, as the chunk-gap watch learned it.

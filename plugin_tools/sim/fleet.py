@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.fair_start import SLOW_START_MIN
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfileBook
 from plugin.core.router import Decision, Router, Waiter
@@ -70,6 +71,9 @@ class GatewayModel:
     # A replica without a learned capacity starts from its GPU type's peers (False: it is
     # scored at the mean of the pool's estimates, the rule before; `plugin.core.fair_start`).
     fair_start: bool = True
+    # ... ramped in over this long from `slow_start_min` of it (0: scored at all of it at once).
+    slow_start_s: float = 60.0
+    slow_start_min: float = SLOW_START_MIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +219,8 @@ def simulate(
         estimator,
         gw.scrape_interval_s * gw.metrics_max_age_intervals,
         fair_start=gw.fair_start,
+        slow_start_s=gw.slow_start_s,
+        slow_start_min=gw.slow_start_min,
     )
     if book is not None:
         pool.use_profiles(book)

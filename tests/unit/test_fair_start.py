@@ -12,7 +12,9 @@ from plugin.core.fair_start import (
     DEPLOYMENT,
     LOWEST,
     PROFILE,
+    SLOW_START_MIN,
     relative_speed,
+    slow_start_share,
     starting_capacities,
 )
 from plugin.core.pool import PodPool
@@ -90,7 +92,7 @@ def test_the_first_of_its_type_starts_from_the_profiles_ratio() -> None:
 
 def test_the_pool_scales_a_newcomer_by_the_profiles_it_routes_with() -> None:
     estimator = CapacityEstimator()
-    pool = PodPool(estimator, 3.0)
+    pool = PodPool(estimator, 3.0, slow_start_s=0.0)
     book = ProfileBook()
     book.replace(
         {
@@ -122,7 +124,7 @@ def test_a_new_v100_among_a100s_is_scored_as_a_v100_until_it_learns() -> None:
     """The mean of the model's estimates would score the new V100 at about an A100's capacity
     (three A100s, one V100): it would take an A100's share of the load."""
     estimator = CapacityEstimator()
-    pool = PodPool(estimator, 3.0)
+    pool = PodPool(estimator, 3.0, slow_start_s=0.0)  # the start itself (the ramp: below)
     pool.set_pods([A1, A2, V1])
     learn(pool, [(A1, 1000), (A2, 1000), (V1, 200)])
     a100, v100 = estimator.estimate(A1.key), estimator.estimate(V1.key)
@@ -138,7 +140,11 @@ def test_a_new_v100_among_a100s_is_scored_as_a_v100_until_it_learns() -> None:
     }
     pods = pool.snapshot(10.0)["pods"]
     assert pods[V2.key]["capacity_tokens_per_s"] is None
-    assert pods[V2.key]["capacity_start"] == {"tokens_per_s": round(v100, 3), "from": DEPLOYMENT}
+    assert pods[V2.key]["capacity_start"] == {
+        "tokens_per_s": round(v100, 3),
+        "from": DEPLOYMENT,
+        "slow_start_share": 1.0,
+    }
     assert pods[L1.key]["capacity_start"]["from"] == LOWEST
     assert pods[A1.key]["capacity_start"] is None
     # One request each: the new V100 scores as the V100 it is, not as the fleet's mean.
@@ -163,3 +169,76 @@ def test_a_new_v100_among_a100s_is_scored_as_a_v100_until_it_learns() -> None:
     assert mine is not None
     assert {c.pod.name: c.capacity for c in pool.candidates("m", 20.0)}["v100-1"] == mine
     assert pool.snapshot(20.0)["pods"][V2.key]["capacity_start"] is None
+
+
+def test_the_slow_start_share_grows_linearly_from_its_least() -> None:
+    assert slow_start_share(0.0, 60.0) == SLOW_START_MIN
+    assert slow_start_share(0.5, 60.0) == SLOW_START_MIN  # 0.5 / 60 is below it
+    assert slow_start_share(30.0, 60.0) == pytest.approx(0.5)
+    assert slow_start_share(45.0, 60.0, 0.1) == pytest.approx(0.75)
+    assert slow_start_share(60.0, 60.0) == 1.0
+    assert slow_start_share(600.0, 60.0) == 1.0
+    assert slow_start_share(0.0, 0.0) == 1.0  # no window: no ramp
+
+
+def test_a_start_is_ramped_in_from_when_the_pod_turns_ready() -> None:
+    """A new V100 beside a learned one is scored at a small share of its peer's capacity when
+    it turns ready, more each tick, all of it after the window; not-ready time does not count,
+    and its own estimate replaces the ramped start outright."""
+    estimator = CapacityEstimator()
+    pool = PodPool(estimator, 3.0, slow_start_s=60.0, slow_start_min=0.05)
+    pool.set_pods([A1, V1])
+    learn(pool, [(A1, 1000), (V1, 200)])
+
+    def scored(now: float) -> float | None:
+        return {c.pod.name: c.capacity for c in pool.candidates("m", now)}["v100-1"]
+
+    def peer() -> float:  # its peer's estimate, as the last tick left it
+        v100 = estimator.estimate(V1.key)
+        assert v100 is not None
+        return v100
+
+    waiting = make_pod("v100-1", deployment="v100", port=8101, ready=False)
+    pool.set_pods([A1, V1, waiting])
+    for t in (20.0, 50.0, 80.0):  # listed, not ready: its age does not run
+        pool.refresh_capacity(t)
+    pool.set_pods([A1, V1, V2])  # ready now: its age counts from the last tick, 80
+    assert scored(80.5) == pytest.approx(0.05 * peer())
+    pool.refresh_capacity(81.0)
+    assert scored(81.0) == pytest.approx(0.05 * peer())  # 1 / 60 is below the least share
+    pool.refresh_capacity(110.0)
+    assert scored(110.0) == pytest.approx(0.5 * peer())
+    start = pool.snapshot(110.0)["pods"][V2.key]["capacity_start"]
+    assert start["from"] == DEPLOYMENT and start["slow_start_share"] == pytest.approx(0.5)
+    pool.refresh_capacity(141.0)
+    assert scored(141.0) == pytest.approx(peer())
+    # Its own estimate counts as soon as it has one, above or below the ramp.
+    pool.acquire(V2).release(50, 200, 141.5)
+    pool.refresh_capacity(142.0)
+    mine = estimator.estimate(V2.key)
+    assert mine is not None and mine != pytest.approx(peer())
+    assert scored(142.0) == mine
+    assert pool.snapshot(142.0)["pods"][V2.key]["capacity_start"] is None
+
+
+def test_a_pod_that_leaves_and_comes_back_ramps_in_again() -> None:
+    estimator = CapacityEstimator()
+    pool = PodPool(estimator, 3.0, slow_start_s=10.0, slow_start_min=0.1)
+    pool.set_pods([A1])
+    learn(pool, [(A1, 1000)])
+
+    def share(now: float) -> float:  # the newcomer's capacity over its peer's estimate
+        a100 = estimator.estimate(A1.key)
+        assert a100 is not None
+        return {c.pod.name: c.capacity for c in pool.candidates("m", now)}["a100-1"] / a100
+
+    pool.set_pods([A1, A2])
+    pool.refresh_capacity(15.0)
+    assert share(15.0) == pytest.approx(0.5)
+    pool.refresh_capacity(30.0)
+    assert share(30.0) == pytest.approx(1.0)
+    pool.set_pods([A1])
+    pool.refresh_capacity(31.0)
+    pool.set_pods([A1, A2])
+    pool.refresh_capacity(32.0)
+    assert share(32.0) == pytest.approx(0.1)

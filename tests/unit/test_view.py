@@ -115,6 +115,7 @@ def test_view_and_indexes_match_the_plain_pass(seed: int, n: int) -> None:
         metrics_max_age_s=MAX_AGE_S,
         ejection=EjectionPolicy(consecutive_5xx=2, base_s=3.0, max_s=6.0),
         saturation_probe_s=5.0,
+        slow_start_s=0.0,  # starts as `starting_capacities` finds them (the ramp: test_fair_start)
     )
     pods = [
         Pod(f"p{i}", "ns", MODEL, "10.0.0.1", 8000 + i, 8000, ready=rng.random() < 0.9)
