@@ -104,13 +104,22 @@ def encode_scrape(metrics: EngineMetrics) -> list[Any]:
     return [OK, metrics.generation_tokens_stepwise, *_shared_values(metrics)]
 
 
-def _decode(values: list[Any]) -> EngineMetrics:
-    """Raises ValueError or TypeError for a record of another shape."""
+# Where the stepwise flag sits among EngineMetrics' fields: a record is decoded positionally
+# (at 10,000 pods a replica decodes the others' 8,000 records a second; keywords cost a third
+# more).
+_STEPWISE_AT = [f.name for f in dataclasses.fields(EngineMetrics)].index(
+    "generation_tokens_stepwise"
+)
+
+
+def decode_scrape(values: list[Any]) -> EngineMetrics:
+    """A successful scrape from what `encode_scrape` wrote (after JSON); raises ValueError or
+    TypeError for a record of another shape."""
     if len(values) != 2 + len(_SHARED_FIELDS):
         raise ValueError("wrong length")
-    floats = [None if v is None else float(v) for v in values[2:]]
-    fields = dict(zip(_SHARED_FIELDS, floats, strict=True))
-    return EngineMetrics(**fields, generation_tokens_stepwise=bool(values[1]))
+    floats: list[Any] = [None if v is None else float(v) for v in values[2:]]
+    floats.insert(_STEPWISE_AT, bool(values[1]))
+    return EngineMetrics(*floats)
 
 
 # One scan of the page for the wanted samples, each as (name, labels, the rest of the line): a
@@ -433,7 +442,7 @@ class MetricsScraper:
                 return False
             kind = record[1]
             if kind == OK:
-                self._pool.update_metrics(key, _decode(record[1:]), made_at)
+                self._pool.update_metrics(key, decode_scrape(record[1:]), made_at)
             elif kind == DOWN:
                 self._pool.scrape_failed(key)
             elif kind == UNUSABLE:

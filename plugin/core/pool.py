@@ -428,7 +428,7 @@ class PodPool:
         estimate = self._capacity.estimate
         profiles = None if self._profiles is None else self._profile_of
         found = starting_capacities(state.pods, estimate, profiles) if self._fair_start else {}
-        starts = state.starts = self._ramped(state.pods, found) if found else {}
+        starts = state.starts = self._ramped(found) if found else {}
         moved = False
         for candidate in state.view.slots:
             key = candidate.pod.key
@@ -439,24 +439,20 @@ class PodPool:
                 moved = True
         return moved
 
-    def _ramped(
-        self, pods: list[Pod], found: dict[str, tuple[float, str]]
-    ) -> dict[str, tuple[float, str, float]]:
+    def _ramped(self, found: dict[str, tuple[float, str]]) -> dict[str, tuple[float, str, float]]:
         """Starts scored at their slow-start share (`plugin.core.fair_start`): a pod's age counts
-        from the last capacity refresh (the scrape tick) before it was first seen ready."""
+        from the last capacity refresh (the scrape tick) before it was first seen ready. Costs
+        per pod without an estimate, not per pod."""
         window, least = self._slow_start
-        now, since = self._now, self._ready_since
+        now, since, pods = self._now, self._ready_since, self._pods
         ramped: dict[str, tuple[float, str, float]] = {}
-        for pod in pods:
-            start = found.get(pod.key)
-            if start is None:
-                continue
-            first = since.get(pod.key)
-            if first is None and pod.ready and now is not None:
-                first = since[pod.key] = now
+        for key, (capacity, source) in found.items():
+            first = since.get(key)
+            if first is None and now is not None and (pod := pods.get(key)) and pod.ready:
+                first = since[key] = now
             age = 0.0 if first is None or now is None else now - first
             share = slow_start_share(age, window, least)
-            ramped[pod.key] = (start[0] * share, start[1], share)
+            ramped[key] = (capacity * share, source, share)
         return ramped
 
     # shared state (several gateways) ---------------------------------------------------------

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
 
+import orjson
 import pytest
 
+from plugin.adapters.scraper import decode_scrape, encode_scrape
 from plugin.core.scrape_share import ScrapeShares
+from plugin.core.types import EngineMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -65,3 +69,25 @@ def test_another_process_names_the_same_owners() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert there.strip() == str(here)
+
+
+@pytest.mark.parametrize("stepwise", [True, False])
+def test_a_shared_scrape_reads_back_field_for_field(stepwise: bool) -> None:
+    """Every field through the record the replicas publish (as JSON), each a different value,
+    so a field read into another's place shows; ints from JSON come back as floats."""
+    values: dict[str, object] = {
+        f.name: float(i + 1)
+        for i, f in enumerate(dataclasses.fields(EngineMetrics))
+        if f.name != "generation_tokens_stepwise"
+    }
+    values["cpu_kv_usage"] = None
+    values["running"] = 7  # an int, as JSON may carry it
+    metrics = EngineMetrics(**values, generation_tokens_stepwise=stepwise)  # type: ignore[arg-type]
+    record = orjson.loads(orjson.dumps(encode_scrape(metrics)))
+    decoded = decode_scrape(record)
+    assert decoded == metrics
+    assert isinstance(decoded.running, float)
+    with pytest.raises(ValueError):
+        decode_scrape(record[:-1])
+    with pytest.raises((TypeError, ValueError)):
+        decode_scrape([*record[:2], "x", *record[3:]])
