@@ -7,8 +7,8 @@ G* (the sum of what each replica sustains alone within the SLO). The last V100 i
 ready until `--join-at`, then joins with nothing learned: once beside another V100 (it starts
 from its peer), once as the first V100 among three A100s (no peer: it starts from the GPU
 profiles' ratio when SLO routing's profiles are loaded, else from the lowest learned capacity).
-Each start is run twice: scored at once, and ramped in (the slow start, `GatewayModel
-.slow_start_s`, the plugin's default). Reported for the requests that arrived in the `--window`
+Each start is run twice: scored at once, and ramped in (the slow start at the plugin's
+defaults, `GatewayModel.slow_start_s`). Reported for the requests that arrived in the `--window`
 seconds after it joined: its share of them against its share of G*, the p99 time per output
 token of those it served against the A100s', and SLO attainment.
 

@@ -23,6 +23,7 @@ from plugin.config.kinds import (
     Text,
     Var,
 )
+from plugin.core import fair_start
 from plugin.core.header_policy import HeaderPolicy
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings
@@ -270,7 +271,7 @@ CAPACITY_TAU_S: Var[float] = Var(
 SLOW_START_WINDOW_S: Var[float] = Var(
     "HETERO_GATEWAY_SLOW_START_WINDOW_S",
     Float(ge=0, le=3600, unit=_S),
-    60.0,
+    fair_start.SLOW_START_WINDOW_S,
     "A pod that has not learned its capacity is scored at a share of where it starts, growing"
     " linearly to all of it over this long after it turns ready (Envoy's slow start; 0: off);"
     " its own estimate replaces the start as soon as it has one.",
@@ -278,7 +279,7 @@ SLOW_START_WINDOW_S: Var[float] = Var(
 SLOW_START_MIN_PERCENT: Var[float] = Var(
     "HETERO_GATEWAY_SLOW_START_MIN_PERCENT",
     Float(gt=0, le=100),
-    2.0,
+    100 * fair_start.SLOW_START_MIN,
     "The share of its start, in percent, a pod that just turned ready is scored at (Envoy's"
     " `min_weight_percent`, whose default is 10).",
 )

@@ -36,6 +36,7 @@ __all__ = [
     "LOWEST",
     "PROFILE",
     "SLOW_START_MIN",
+    "SLOW_START_WINDOW_S",
     "relative_speed",
     "slow_start_share",
     "starting_capacities",
@@ -50,6 +51,7 @@ LOWEST = "lowest"  # the lowest learned capacity among the model's replicas
 # with no profiles ran its first minute at p99 TPOT 29 ms against their 27 at 10%, 24 at 2%
 # (`benchmarks/fair_start.py`, 3 seeds). Its own estimate takes over within seconds.
 SLOW_START_MIN = 0.02
+SLOW_START_WINDOW_S = 60.0  # about the capacity window: by then its own estimate has taken over
 
 
 def slow_start_share(age_s: float, window_s: float, least: float = SLOW_START_MIN) -> float:
@@ -57,7 +59,7 @@ def slow_start_share(age_s: float, window_s: float, least: float = SLOW_START_MI
     over `window_s` (a window of 0: all of it at once)."""
     if window_s <= 0 or age_s >= window_s:
         return 1.0
-    return max(least, age_s / window_s) if age_s > 0 else least
+    return max(least, age_s / window_s)
 
 
 def relative_speed(new: GpuProfile, known: GpuProfile) -> float | None:

@@ -18,7 +18,12 @@ from typing import Any
 from plugin.core.batch_cap import CapLearning
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.config_profile import ModelConfig
-from plugin.core.fair_start import SLOW_START_MIN, slow_start_share, starting_capacities
+from plugin.core.fair_start import (
+    SLOW_START_MIN,
+    SLOW_START_WINDOW_S,
+    slow_start_share,
+    starting_capacities,
+)
 from plugin.core.lease import Lease
 from plugin.core.pod_speed import PodSpeed
 from plugin.core.pool_state import EjectionPolicy, ModelState, PodRecord, Scraped
@@ -65,7 +70,7 @@ class PodPool:
         saturation_probe_s: float = 60.0,
         saturation_scrapes: int = 4,
         fair_start: bool = True,
-        slow_start_s: float = 60.0,
+        slow_start_s: float = SLOW_START_WINDOW_S,
         slow_start_min: float = SLOW_START_MIN,
     ) -> None:
         """`fair_start`: a pod without a learned capacity starts from its deployment's peers

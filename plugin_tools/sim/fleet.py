@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from plugin.core.capacity import CapacityEstimator
-from plugin.core.fair_start import SLOW_START_MIN
+from plugin.core.fair_start import SLOW_START_MIN, SLOW_START_WINDOW_S
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfileBook
 from plugin.core.router import Decision, Router, Waiter
@@ -72,7 +72,7 @@ class GatewayModel:
     # scored at the mean of the pool's estimates, the rule before; `plugin.core.fair_start`).
     fair_start: bool = True
     # ... ramped in over this long from `slow_start_min` of it (0: scored at all of it at once).
-    slow_start_s: float = 60.0
+    slow_start_s: float = SLOW_START_WINDOW_S
     slow_start_min: float = SLOW_START_MIN
 
 
