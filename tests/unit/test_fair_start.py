@@ -229,8 +229,9 @@ def test_a_pod_that_leaves_and_comes_back_ramps_in_again() -> None:
 
     def share(now: float) -> float:  # the newcomer's capacity over its peer's estimate
         a100 = estimator.estimate(A1.key)
-        assert a100 is not None
-        return {c.pod.name: c.capacity for c in pool.candidates("m", now)}["a100-1"] / a100
+        newcomer = {c.pod.name: c.capacity for c in pool.candidates("m", now)}["a100-1"]
+        assert a100 is not None and newcomer is not None
+        return newcomer / a100
 
     pool.set_pods([A1, A2])
     pool.refresh_capacity(15.0)
