@@ -40,6 +40,7 @@ from plugin_tools.sim.closed_loop import (
     RatePoint,
     cheapest_fleet,
     run_closed_loop,
+    type_capacities,
 )
 from plugin_tools.sim.engine import PRESETS
 from plugin_tools.sim.metrics import DEFAULT_SLO
@@ -66,6 +67,7 @@ class Run:
     profile_s: float  # wall seconds to build the profiles
     loop_s: float  # wall seconds for the rates
     cheapest: dict[float, Cheapest]  # per rate, the searched cheapest fleet (steady run only)
+    capacity: dict[str, float]  # per GPU type: req/s one replica sustains of the workload
 
     @property
     def title(self) -> str:
@@ -91,9 +93,13 @@ def table(run: Run, gpus: Sequence[str]) -> list[str]:
     head = (
         f"| req/s | plan: {' / '.join(gpus)} | plan $/h | best single type | its $/h | saving "
         f"| attainment: {' / '.join(STRATEGIES)} | best single type, {SINGLE_STRATEGY} "
-        "| fleet utilisation |"
+        "| fleet utilisation | rate / fleet's steady capacity |"
     )
-    cols = 9
+    cols = 10
+    every = any(p.every is not None for p in run.points)
+    if every:
+        head += " plan $/h, every request in the SLO |"
+        cols += 1
     if search:
         head += " cheapest fleet holding 99% (search) | its $/h | plan / cheapest |"
         cols += 3
@@ -109,8 +115,11 @@ def table(run: Run, gpus: Sequence[str]) -> list[str]:
             f"| {'-' if saving is None else f'{saving:.0%}'} "
             f"| {' / '.join(_att(p.mixed.attainment[s]) for s in STRATEGIES)} "
             f"| {'-' if single is None else _att(single.attainment[SINGLE_STRATEGY])} "
-            f"| {p.mixed.utilization[SINGLE_STRATEGY]:.0%} |"
+            f"| {p.mixed.utilization[SINGLE_STRATEGY]:.0%} "
+            f"| {_loaded(p.rate, p.mixed.replicas, run.capacity)} |"
         )
+        if every:
+            line += f" {_money(None if p.every is None else p.every.cost)} |"
         if search:
             found = run.cheapest[p.rate].run
             if found is None:
@@ -120,6 +129,11 @@ def table(run: Run, gpus: Sequence[str]) -> list[str]:
                 line += f" {_replicas(found.replicas, gpus)} | {_money(found.cost)} | {ratio:.2f} |"
         lines.append(line)
     return lines
+
+
+def _loaded(rate: float, replicas: dict[str, int], capacity: dict[str, float]) -> str:
+    ceiling = math.fsum(capacity[g] * n for g, n in replicas.items())
+    return "-" if ceiling <= 0 else f"{rate / ceiling:.0%}"
 
 
 def _span(values: Sequence[float], fmt: str) -> str:
@@ -161,7 +175,14 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float, workload: st
         f"- **Workload** `{workload}` ({_describe(s)}), seed {s.seed}; each run "
         f"{s.warmup_s:.0f} s of warm-up, then {s.measured_requests} measured requests.",
         f"- **SLO** {slo} per request (TPOT: the mean gap after the first token); the profiles "
-        f"check it at p{s.profile_percentile}. Headroom {loop.headroom:g}.",
+        f"check it at p{s.profile_percentile}. Headroom {loop.headroom:g}. Attainment target "
+        f"{loop.attainment:g} (`HETERO_GATEWAY_OPTIMIZER_ATTAINMENT`): the plan buys for at "
+        f"least that share of the requests within the SLO (the search holds {TARGET:g})"
+        + (
+            "; the cost of the plan that buys for every request is shown beside it."
+            if loop.attainment < 1
+            else "."
+        ),
         "- **GPU profiles** from a simulated `profile sweep` per type (one engine alone, Poisson "
         f"requests of one size per probe) over inputs {grid.inputs[0]}..{grid.inputs[-1]} and "
         f"outputs {grid.outputs[0]}..{grid.outputs[-1]} tokens, each doubling, built by "
@@ -171,7 +192,11 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float, workload: st
         "- **Columns**: plan = replicas per type; saving = 1 - plan cost / best single type's; "
         "attainment = share of measured requests within the SLO; fleet utilisation = output "
         "tokens/s the plan's fleet delivered under load-balance over its saturated decode "
-        "ceiling (every engine decoding a full batch).",
+        "ceiling (every engine decoding a full batch); rate / fleet's steady capacity = the "
+        "offered rate over the sum of the plan's replicas' steady-state rates for this workload "
+        "within the SLO (each type alone, by bisection: "
+        + ", ".join(f"{g} {c:.2f}" for g, c in runs[0].capacity.items())
+        + " req/s), how full the plan runs its fleet.",
         "",
     ]
     for run in runs:
@@ -218,6 +243,12 @@ def findings(runs: Sequence[Run]) -> list[str]:
     ]
     over = [(rate, r) for rate, r in ratios if r > 1.2]
     util = [p.mixed.utilization[LB] for p in steady.points if p.rate >= UTILISATION_FROM]
+    full = [
+        p.rate / fits
+        for p in steady.points
+        if p.rate >= UTILISATION_FROM
+        and (fits := math.fsum(steady.capacity[g] * n for g, n in p.mixed.replicas.items())) > 0
+    ]
     savings = [p.saving for p in steady.points if p.saving is not None]
     out = [
         "How to read it.",
@@ -242,7 +273,8 @@ def findings(runs: Sequence[Run]) -> list[str]:
         f"{_span(util, '.0%')} of its decode ceiling under load-balance. A replica cannot reach "
         "100% within this SLO: at TPOT 60 ms the a100's steady state for this mix is about two "
         "thirds of its decode ceiling (prefill steps and the TPOT bound), so that is the "
-        "ceiling a perfect plan would show.",
+        "ceiling a perfect plan would show. Against what the fleet sustains within the SLO "
+        f"(its replicas' steady-state rates for this workload) it ran at {_span(full, '.0%')}.",
         f"- **Mixed against one type.** The plan saves {_span(savings, '.0%')} against the "
         "best single type.",
     ]
@@ -282,6 +314,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000, help="measured requests per run")
     parser.add_argument("--warmup", type=float, default=120.0, help="simulated seconds")
     parser.add_argument("--headroom", type=float, default=1.0)
+    parser.add_argument(
+        "--attainment",
+        type=float,
+        default=TARGET,
+        help="the plan's attainment target (Problem.attainment); the search holds 0.99",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--workload",
@@ -300,6 +338,7 @@ def main() -> int:
         raise SystemExit(f"--profiles: steady and optionally aibrix, got {args.profiles!r}")
     started = time.perf_counter()
     runs: list[Run] = []
+    capacity: dict[str, float] = {}
     loop: ClosedLoop | None = None
     lengths, traces = parse_workload(args.workload, args.trace_dir)
     arrivals = Arrivals()
@@ -316,7 +355,9 @@ def main() -> int:
             seed=args.seed,
             sweep=grid_for(lengths, DEFAULT_RATES, rule=rule),
         )
-        here = ClosedLoop(scenario, costs=prices, headroom=args.headroom)
+        here = ClosedLoop(
+            scenario, costs=prices, headroom=args.headroom, attainment=args.attainment
+        )
         loop = here if rule == "steady" else loop or here
         t0 = time.perf_counter()
         here.profiles()
@@ -333,16 +374,17 @@ def main() -> int:
 
         points = run_closed_loop(here, rates, progress)
         cheapest: dict[float, Cheapest] = {}
+        capacity = capacity or type_capacities(here)  # the workload's, whatever the profiles
         if rule == "steady":
             for rate in rates:
-                cheapest[rate] = found = cheapest_fleet(here, rate)
+                cheapest[rate] = found = cheapest_fleet(here, rate, capacity=capacity)
                 print(
                     f"  {rate:g} req/s: cheapest holding 99% "
                     f"{None if found.run is None else found.run.replicas} ({found.tried} tried)",
                     file=sys.stderr,
                     flush=True,
                 )
-        runs.append(Run(rule, points, t1 - t0, time.perf_counter() - t1, cheapest))
+        runs.append(Run(rule, points, t1 - t0, time.perf_counter() - t1, cheapest, capacity))
     assert loop is not None
     text = render(runs, loop, time.perf_counter() - started, args.workload)
     print(text)

@@ -40,6 +40,7 @@ from plugin.config.variables import (
     MAX_WAITING,
     METRIC_REFRESH_MS,
     METRICS_MAX_AGE_INTERVALS,
+    OPTIMIZER_ATTAINMENT,
     OPTIMIZER_HEADROOM,
     OPTIMIZER_LOOKBACK_S,
     OPTIMIZER_MAX_REPLICAS,
@@ -101,6 +102,7 @@ class OptimizerSettings:
     port: int = OPTIMIZER_PORT.default
     lookback_s: int = OPTIMIZER_LOOKBACK_S.default
     headroom: float = OPTIMIZER_HEADROOM.default
+    attainment: float = OPTIMIZER_ATTAINMENT.default
     scale_down_windows: int = OPTIMIZER_SCALE_DOWN_WINDOWS.default
     max_replicas: Mapping[str, int] = field(default_factory=dict)  # by name or namespace/name
 
@@ -214,6 +216,7 @@ def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
         port=OPTIMIZER_PORT.read(env),
         lookback_s=lookback,
         headroom=OPTIMIZER_HEADROOM.read(env),
+        attainment=OPTIMIZER_ATTAINMENT.read(env),
         scale_down_windows=OPTIMIZER_SCALE_DOWN_WINDOWS.read(env),
         max_replicas=dict(OPTIMIZER_MAX_REPLICAS.read(env)),
     )

@@ -456,6 +456,13 @@ OPTIMIZER_HEADROOM: Var[float] = Var(
     1.0,
     "Optimizer: plan for the traced rate times this (1.2 = 20% spare capacity).",
 )
+OPTIMIZER_ATTAINMENT: Var[float] = Var(
+    "HETERO_GATEWAY_OPTIMIZER_ATTAINMENT",
+    Float(gt=0, le=1),
+    1.0,
+    "Optimizer: the least share of requests a plan serves within the SLO; below 1 (0.99 for an"
+    " SLO held at p99) it may leave the costliest rest to be served late instead of buying for it.",
+)
 OPTIMIZER_SCALE_DOWN_WINDOWS: Var[int] = Var(
     "HETERO_GATEWAY_OPTIMIZER_SCALE_DOWN_WINDOWS",
     Int(ge=1, le=360),
@@ -529,6 +536,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     OPTIMIZER_PORT,
     OPTIMIZER_LOOKBACK_S,
     OPTIMIZER_HEADROOM,
+    OPTIMIZER_ATTAINMENT,
     OPTIMIZER_SCALE_DOWN_WINDOWS,
     OPTIMIZER_MAX_REPLICAS,
 )

@@ -34,6 +34,14 @@ Corner cases are answered, never dropped:
   `infeasible_cells`, its whole rate in `unserved`; the plan serves the other cells, and keeps
   status "optimal" (with only such traffic: every candidate at `min_replicas`). A cell without
   traffic is never listed, whatever its `tputs`;
+- an attainment target below 1 (`Problem.attainment`, say 0.99 for an SLO held for 99% of
+  requests): the cheapest fleet that serves at least that share of all traffic within the SLO,
+  the same program with each cell's share allowed below 1 and its shares' rate at least the
+  target (then, on that fleet, the most it can serve, so the rate left out is the least it
+  must be). What is left out is in `exempt`: those requests are still routed, served late or at
+  the engine's pace, and their work is not planned for, so a target only makes sense as loose as
+  the SLO's own percentile. Cells no candidate serves count against the target first; status
+  stays "optimal";
 - caps that leave too few replicas for the traffic: two phases. Phase 1 (a linear program with
   every candidate at its upper bound) finds the most rate the capped fleet can serve; phase 2 is
   the MILP above with each cell's share allowed below 1, constrained to serve that much, at least
@@ -100,6 +108,8 @@ class Problem:
     rates: tuple[float, ...]  # req/s per workload cell, in the order of every Candidate.tputs
     candidates: tuple[Candidate, ...]
     headroom: float = 1.0  # plan capacity for rates x headroom (>= 1)
+    # The least share of all requests the plan serves within the SLO, in (0, 1]; 1: every one.
+    attainment: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +123,8 @@ class Plan:
     status: str  # "optimal" | "short" (caps leave rate unserved) | "idle" (no traffic)
     # Per candidate (in Problem order): the work assigned to it in replicas (<= its replicas).
     load: tuple[float, ...] = field(default=())
+    # req/s per cell left out of the SLO's capacity under `Problem.attainment` (all 0 at 1).
+    exempt: tuple[float, ...] = field(default=())
 
 
 def _fail(message: str) -> OptimizerInputError:
@@ -141,6 +153,9 @@ def validate(problem: Problem) -> None:
     headroom = problem.headroom
     if not (_finite_nonneg(headroom) and headroom >= 1):
         raise _fail(f"headroom = {headroom!r}: must be a finite number >= 1")
+    attainment = problem.attainment
+    if not (_finite_nonneg(attainment) and 0 < attainment <= 1):
+        raise _fail(f"attainment = {attainment!r}: must be a number in (0, 1]")
     seen: set[str] = set()
     for cand in problem.candidates:
         who = f"candidate {cand.name!r}"
@@ -234,7 +249,7 @@ def _milp(
     rates: Sequence[float],
     *,
     phase: Literal["all", "most", "cheapest"],  # serve every cell | phase 1 | phase 2
-    served: float = 0.0,  # phase 2: the fraction of the rate phase 1 served
+    served: float = 0.0,  # "cheapest": the least fraction of the servable rate to serve
     fleet: Sequence[int] | None = None,  # "most": these replicas instead of the upper bounds
 ) -> tuple[NDArray[np.float64], NDArray[np.float64]] | None:
     """Solve one program: (n, x), or None when HiGHS proves it infeasible."""
@@ -366,7 +381,32 @@ def _plan(
         infeasible_cells=tuple(infeasible),
         status="short" if short else "optimal",
         load=tuple(load),
+        exempt=(0.0,) * nk,
     )
+
+
+def _exempting(plan: Plan) -> Plan:
+    """`plan` with the rate it leaves out of servable cells moved from `unserved` to `exempt`."""
+    nobody = set(plan.infeasible_cells)
+    exempt = tuple(0.0 if k in nobody else u for k, u in enumerate(plan.unserved))
+    unserved = tuple(u if k in nobody else 0.0 for k, u in enumerate(plan.unserved))
+    return replace(plan, unserved=unserved, exempt=exempt, status="optimal")
+
+
+def _cheapest_serving(
+    m: _Model, costs: Sequence[float], rates: Sequence[float], served: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]] | None:
+    """The cheapest fleet serving at least `served` of the servable rate, with the shares that
+    serve the most it can (the first program may serve a hair less, its slack, or leave out more
+    than it must); None when no fleet within the caps serves that much."""
+    cheapest = _milp(m, costs, rates, phase="cheapest", served=served)
+    if cheapest is None:
+        return None
+    fleet = [
+        max(lo, min(hi, round(float(v))))
+        for lo, hi, v in zip(m.lower, m.upper, cheapest[0], strict=True)
+    ]
+    return _milp(m, costs, rates, phase="most", fleet=fleet) or cheapest
 
 
 def solve(problem: Problem) -> Plan:
@@ -387,6 +427,10 @@ def solve(problem: Problem) -> Plan:
         plan = _plan(problem, m, [], infeasible)
         return plan if busy else replace(plan, status="idle")
     costs = [c.cost for c in cands]
+    # The share of the servable rate the target asks for (cells nobody serves count first).
+    target = min(1.0, problem.attainment * math.fsum(rates[k] for k in busy) / m.total)
+    if target < 1 and (held := _cheapest_serving(m, costs, rates, target)) is not None:
+        return _exempting(_plan(problem, m, [float(v) for v in held[1]], infeasible))
     solved = _milp(m, costs, rates, phase="all")
     if solved is None:
         # The caps leave rate unserved: the most the capped fleet can serve, then its cheapest mix.
@@ -395,15 +439,9 @@ def solve(problem: Problem) -> Plan:
             raise ArithmeticError("the MILP solver found no plan serving even part of the rate")
         weights = [rates[m.cells[i]] / m.total for i in m.pair_cell]
         served = math.fsum(w * float(v) for w, v in zip(weights, most[1], strict=True))
-        cheapest = _milp(m, costs, rates, phase="cheapest", served=served)
-        if cheapest is None:
+        solved = _cheapest_serving(m, costs, rates, served)
+        if solved is None:
             raise ArithmeticError("the MILP solver found no plan serving phase 1's rate")
-        # Phase 2 may serve a hair less than phase 1 (its slack): give its fleet the most again.
-        fleet = [
-            max(lo, min(hi, round(float(v))))
-            for lo, hi, v in zip(m.lower, m.upper, cheapest[0], strict=True)
-        ]
-        solved = _milp(m, costs, rates, phase="most", fleet=fleet) or cheapest
     return _plan(problem, m, [float(v) for v in solved[1]], infeasible)
 
 

@@ -144,6 +144,7 @@ def build_problem(
     load: Traffic,
     headroom: float = 1.0,
     caps: Mapping[str, int] | None = None,
+    attainment: float = 1.0,
 ) -> ModelProblem:
     """The problem for `model`: a candidate per profiled deployment (`profiles` by deployment
     name), a cell per distinct tuple of profile cells the traffic lands on. `caps` holds each
@@ -185,7 +186,9 @@ def build_problem(
         )
     return ModelProblem(
         model=model,
-        problem=Problem(rates=rates, candidates=tuple(candidates), headroom=headroom),
+        problem=Problem(
+            rates=rates, candidates=tuple(candidates), headroom=headroom, attainment=attainment
+        ),
         cells=tuple((cells[0].input_tokens, cells[0].output_tokens) for _, cells in ordered),
         deployments=tuple(profiled),
         unprofiled=unprofiled,

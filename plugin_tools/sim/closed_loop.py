@@ -72,6 +72,7 @@ __all__ = [
     "default_gpus",
     "run_closed_loop",
     "trace_windows",
+    "type_capacities",
 ]
 
 # US$ per hour of a one-GPU on-demand instance (illustrative; see the module docstring).
@@ -153,6 +154,7 @@ class RatePoint:
     single_costs: dict[str, float | None]  # per GPU type alone: its plan's cost, None: cannot
     single_gpu: str | None  # the cheapest single type that serves every cell
     single: FleetRun | None  # its fleet (load-balance only)
+    every: Plan | None = None  # under an attainment target below 1: the plan serving every cell
 
     @property
     def saving(self) -> float | None:
@@ -181,6 +183,8 @@ class RatePoint:
             "single_gpu": self.single_gpu,
             "single": None if self.single is None else self.single.to_json(),
             "saving": self.saving,
+            "exempt": sum(self.plan.exempt),
+            "every_cost": None if self.every is None else self.every.cost,
         }
 
 
@@ -193,6 +197,7 @@ class ClosedLoop:
     scenario: Scenario
     costs: Mapping[str, float] = field(default_factory=lambda: dict(PRICES))  # per GPU type
     headroom: float = 1.0  # Problem.headroom: plan capacity for the traced rate x this
+    attainment: float = 1.0  # Problem.attainment: the share the plan serves within the SLO
     trace_s: int = TRACE_S  # the stretch traced, and the service's look-back (seconds)
     strategies: tuple[str, ...] = STRATEGIES
 
@@ -255,6 +260,7 @@ class ClosedLoop:
             self.profiles(),
             traffic(read, self.trace_s, until=until),
             headroom=self.headroom,
+            attainment=self.attainment,
         )
         return inputs, solve(inputs.problem)
 
@@ -307,7 +313,7 @@ class ClosedLoop:
         problem = inputs.problem
         nobody = set(plan.infeasible_cells)  # cells no type serves: unserved by any fleet
         for d, cand in zip(inputs.deployments, problem.candidates, strict=True):
-            alone = solve(Problem(problem.rates, (cand,), problem.headroom))
+            alone = solve(Problem(problem.rates, (cand,), problem.headroom, problem.attainment))
             feasible = all(u == 0 or k in nobody for k, u in enumerate(alone.unserved))
             single_costs[d.name] = alone.cost if feasible else None
             if feasible:
@@ -318,8 +324,11 @@ class ClosedLoop:
             alone = single_plans[single_gpu]
             fleet = {single_gpu: alone.replicas[f"{NAMESPACE}/{single_gpu}"]}
             single = self.run_fleet(fleet, alone.cost, (SINGLE_STRATEGY,), future)
+        every = None
+        if problem.attainment < 1:
+            every = solve(replace(problem, attainment=1.0))
         return RatePoint(
-            rate, tuple(windows), inputs, plan, mixed, single_costs, single_gpu, single
+            rate, tuple(windows), inputs, plan, mixed, single_costs, single_gpu, single, every
         )
 
 
@@ -350,20 +359,32 @@ class Cheapest:
     tried: int  # fleets simulated
 
 
+def type_capacities(loop: ClosedLoop) -> dict[str, float]:
+    """Per GPU type: the rate (req/s) one replica sustains alone within the SLO at the
+    scenario's target for its workload (`slo_capacities`, a bisection per type)."""
+    s = loop.scenario
+    return {
+        name: slo_capacities(replace(s, profiles=(gpu,)))[f"{name}-0"]
+        for name, gpu in loop.gpus.items()
+    }
+
+
 def cheapest_fleet(
-    loop: ClosedLoop, rate: float, target: float = 0.99, pooling: float = 0.85
+    loop: ClosedLoop,
+    rate: float,
+    target: float = 0.99,
+    pooling: float = 0.85,
+    capacity: Mapping[str, float] | None = None,
 ) -> Cheapest:
     """The cheapest fleet of the loop's GPU types whose run of the traffic after the trace keeps
     `target` of requests within the SLO under load-balance, found by search: fleets in order of
     cost, skipping any whose replicas' capacities alone (each type's steady-state rate for the
-    workload, `slo_capacities`) add up to less than `pooling` x the rate (a pooled fleet does a
-    little better than its replicas alone, so not all the way), and any with no more of every
-    type than a fleet that already failed. The first that holds is the answer."""
-    s = loop.scenario
-    capacity = {
-        name: slo_capacities(replace(s, profiles=(gpu,)))[f"{name}-0"]
-        for name, gpu in loop.gpus.items()
-    }
+    workload, `type_capacities`, computed here unless given) add up to less than `pooling` x
+    the rate (a pooled fleet does a little better than its replicas alone, so not all the way),
+    and any with no more of every type than a fleet that already failed. The first that holds
+    is the answer."""
+    if capacity is None:
+        capacity = type_capacities(loop)
     limits = {n: math.ceil(rate / c / pooling) + 1 for n, c in capacity.items() if c > 0}
     names = list(limits)
     fleets: list[dict[str, int]] = [{}]

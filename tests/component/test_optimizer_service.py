@@ -235,6 +235,34 @@ async def test_caps_move_traffic_to_the_pricier_type(
     assert a100 == 100 * math.ceil(rest / tput(profiles, A100))
 
 
+async def test_an_attainment_target_buys_for_that_share_and_reports_the_rest(
+    make_harness: MakeHarness, profiles: Path, http: aiohttp.ClientSession
+) -> None:
+    env = {"HETERO_GATEWAY_OPTIMIZER_ATTAINMENT": "0.5", "REDIS_HOST": "127.0.0.1"}
+    settings = load_settings(env).optimizer
+    assert settings.attainment == 0.5
+    h = await make_harness([("a100-0", A100, "1"), ("a40-0", A40, "")], settings)
+    await h.write_windows(per_window=240)  # 24 req/s
+    await h.optimizer.step()
+    a100, a40 = tput(profiles, A100), tput(profiles, A40)
+    # The paid-for A100 serves what it can; A40s only up to half the rate, not all of it.
+    expected = max(0, math.ceil((12.0 - a100) / a40))
+    assert expected < math.ceil((24.0 - a100) / a40)
+    assert await replicas_of(http, h.url, A40) == 100 * expected
+    exempt = 24.0 - min(24.0, a100 + expected * a40)
+    async with http.get(f"{h.url}/debug/plan") as resp:
+        doc = await resp.json()
+    plan = doc["plans"][MODEL]
+    assert doc["settings"]["attainment"] == plan["attainment"] == 0.5
+    assert plan["status"] == "optimal"
+    assert sum(c["exempt"] for c in plan["cells"]) == pytest.approx(exempt, rel=1e-6)
+    assert sum(c["unserved"] for c in plan["cells"]) == 0
+    async with http.get(f"{h.url}/metrics") as resp:
+        own = await resp.text()
+    line = next(x for x in own.splitlines() if x.startswith("hetero_optimizer_exempt_rate{"))
+    assert float(line.split()[-1]) == pytest.approx(exempt, rel=1e-6)
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "message"),
     [
@@ -386,11 +414,13 @@ async def test_kubernetes_deployments_are_listed_by_model_label(serve_app: Serve
         ({"HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S": "245"}, "must be a multiple of 10"),
         ({"HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S": "900"}, "HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S"),
         ({"HETERO_GATEWAY_OPTIMIZER_HEADROOM": "0.8"}, "HETERO_GATEWAY_OPTIMIZER_HEADROOM"),
+        ({"HETERO_GATEWAY_OPTIMIZER_ATTAINMENT": "0"}, "HETERO_GATEWAY_OPTIMIZER_ATTAINMENT"),
         ({"HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS": "a100"}, "is not deployment=N"),
         ({"HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS": "a100=-1"}, "replica count >= 0"),
         ({"HETERO_GATEWAY_OPTIMIZER_SCALE_DOWN_WINDOWS": "0"}, "SCALE_DOWN_WINDOWS"),
     ],
-    ids=["lookback-not-multiple", "lookback-past-ttl", "headroom-below-1", "cap-no-count",
+    ids=["lookback-not-multiple", "lookback-past-ttl", "headroom-below-1", "attainment-0",
+         "cap-no-count",
          "cap-negative", "no-hysteresis-windows"],
 )  # fmt: skip
 def test_bad_optimizer_settings_name_the_variable(env: dict[str, str], message: str) -> None:

@@ -319,6 +319,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_OPTIMIZER_PORT": ("-1", "65536"),
     "HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S": ("5", "610", "1.5"),
     "HETERO_GATEWAY_OPTIMIZER_HEADROOM": ("0.99", "nan", "x"),
+    "HETERO_GATEWAY_OPTIMIZER_ATTAINMENT": ("0", "1.01", "-0.5", "nan"),
     "HETERO_GATEWAY_OPTIMIZER_SCALE_DOWN_WINDOWS": ("0", "361"),
     "HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS": ("a100", "a100=-1", "A100=2", "a/b/c=1", "a=x"),
 }
@@ -350,6 +351,7 @@ EDGE_VALUES: list[tuple[str, str, Any]] = [
     ("REDIS_PASSWORD", " pass word ", " pass word "),  # a password keeps its spaces
     ("HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S", "600", 600),
     ("HETERO_GATEWAY_OPTIMIZER_HEADROOM", "1", 1.0),
+    ("HETERO_GATEWAY_OPTIMIZER_ATTAINMENT", "1", 1.0),
     ("HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS", " a100=0 , ", (("a100", 0),)),
 ]
 

@@ -165,12 +165,16 @@ def check_plan(problem: Problem, plan: Plan) -> float:
         total = math.fsum(row)
         assert total <= 1 + 1e-9
         if rate > 0 and k not in plan.infeasible_cells:
-            assert plan.unserved[k] == pytest.approx(rate * (1 - total), abs=TOL * rate)
+            left = plan.unserved[k] + plan.exempt[k]
+            assert left == pytest.approx(rate * (1 - total), abs=TOL * rate)
+            assert plan.unserved[k] == 0 or plan.exempt[k] == 0  # short or exempt, not both
             if plan.status == "optimal":
-                assert total == pytest.approx(1.0, abs=1e-9)
                 assert plan.unserved[k] == 0
+                if problem.attainment == 1:
+                    assert total == pytest.approx(1.0, abs=1e-9)
         else:
             assert plan.unserved[k] == rate
+            assert plan.exempt[k] == 0
         served += rate * total
     for d, c in enumerate(cands):
         n = plan.replicas[c.name]
@@ -212,6 +216,77 @@ def test_milp_cost_equals_brute_force_on_200_random_instances() -> None:
     # The seed covers every branch, so a change to the generator cannot quietly skip one.
     assert statuses["optimal"] >= 50 and statuses["short"] >= 20, statuses
     assert statuses["infeasible cells"] >= 5 and statuses["idle"] >= 1, statuses
+
+
+def test_an_attainment_target_buys_the_cheapest_fleet_serving_that_share() -> None:
+    """Against the brute force: the cheapest fleet whose most served rate, with cells nobody
+    serves counted as missed, is at least the target's share of all traffic; the rest exempt."""
+    rng = random.Random(20261206)
+    seen: Counter[str] = Counter()
+    for trial in range(150):
+        problem = replace(random_problem(rng), attainment=rng.choice((0.99, 0.95, 0.8, 0.5)))
+        plan = solve(problem)
+        where = f"instance {trial}: {problem}\n{plan}"
+        served = check_plan(problem, plan)
+        cells = servable(problem)
+        if not cells:
+            continue
+        rates = np.array([problem.rates[k] for k in cells])
+        need = needs(problem, cells)
+        bounds = [range(c.min_replicas, (c.max_replicas or 0) + 1) for c in problem.candidates]
+        fleets = np.array(list(itertools.product(*bounds)), dtype=float)
+        costs = fleets @ np.array([c.cost for c in problem.candidates])
+        most = most_served(rates, need, fleets)
+        asked = min(float(rates.sum()), problem.attainment * sum(problem.rates))
+        enough = most >= asked * (1 - 1e-7)
+        if not enough.any():  # the caps fall short of the target: the short plan, as before
+            assert plan.status == "short" or served == pytest.approx(most.max(), rel=1e-6), where
+            seen["short"] += 1
+            continue
+        cheapest = float(costs[enough].min())
+        assert plan.cost == pytest.approx(cheapest, rel=1e-9, abs=1e-9), where
+        assert plan.status == "optimal", where
+        assert served >= asked * (1 - 1e-6), where
+        # On its fleet the plan serves the most it can: nothing is exempt that fits.
+        mine = np.array([[plan.replicas[c.name] for c in problem.candidates]], dtype=float)
+        assert served == pytest.approx(float(most_served(rates, need, mine)[0]), rel=1e-6), where
+        assert sum(plan.exempt) == pytest.approx(float(rates.sum()) - served, abs=1e-6), where
+        seen["exempt" if sum(plan.exempt) > 0 else "all"] += 1
+        seen["cheaper"] += cheapest < brute_force(problem)[0] - 1e-9
+    assert seen["exempt"] >= 20 and seen["cheaper"] >= 10 and seen["short"] >= 5, seen
+
+
+def test_a_rare_costly_cell_is_left_to_be_served_late_under_a_target() -> None:
+    # 99 req/s of short requests an l20 serves at 10 each; 1 req/s of long ones only an a100
+    # serves. Every request within the SLO: an a100 (the long ones and 10 req/s of the short) and
+    # 9 l20, $12. 99% of them: 10 l20, $10.
+    problem = Problem(
+        (99.0, 1.0), (cand("ns/l20", 1.0, 10.0, 0.0), cand("ns/a100", 3.0, 20.0, 2.0))
+    )
+    assert solve(problem).replicas == {"ns/l20": 9, "ns/a100": 1}
+    held = replace(problem, attainment=0.99)
+    plan = solve(held)
+    assert plan.replicas == {"ns/l20": 10, "ns/a100": 0}
+    assert plan.exempt == (0.0, 1.0) and plan.unserved == (0.0, 0.0)
+    assert plan.status == "optimal"
+    check_plan(held, plan)
+    # 99.5%: half the long cell at least, so the a100 again.
+    tighter = replace(problem, attainment=0.995)
+    assert solve(tighter).replicas == {"ns/l20": 9, "ns/a100": 1}
+
+
+def test_cells_nobody_serves_count_against_the_target_first() -> None:
+    # 1 req/s nobody serves is already 1% missed: at 0.99 every servable cell is planned.
+    problem = Problem(
+        (98.0, 1.0, 1.0),
+        (cand("ns/l20", 1.0, 10.0, 0.0, 0.0), cand("ns/a100", 3.0, 20.0, 2.0, 0.0)),
+        attainment=0.99,
+    )
+    plan = solve(problem)
+    assert plan.infeasible_cells == (2,)
+    assert plan.unserved == (0.0, 0.0, 1.0) and plan.exempt == (0.0, 0.0, 0.0)
+    assert plan.replicas["ns/a100"] >= 1
+    check_plan(problem, plan)
 
 
 # -- caps, headroom, min_replicas ----------------------------------------------------------------
@@ -518,6 +593,9 @@ GOOD = cand("ns/a100", 1.0, 1.0, 2.0)
         (Problem((1.0, math.inf), (GOOD,)), r"rates\[1\] = inf"),
         (Problem((1.0, 1.0), (GOOD,), 0.9), r"headroom = 0.9: must be a finite number >= 1"),
         (Problem((1.0, 1.0), (GOOD,), math.inf), r"headroom = inf"),
+        (Problem((1.0, 1.0), (GOOD,), attainment=0.0), r"attainment = 0.0: .* in \(0, 1\]"),
+        (Problem((1.0, 1.0), (GOOD,), attainment=1.5), r"attainment = 1.5"),
+        (Problem((1.0, 1.0), (GOOD,), attainment=math.nan), r"attainment = nan"),
         (Problem((1.0, 1.0), (cand("ns/a", 1.0, 1.0, -2.0),)), r"'ns/a': tputs\[1\] = -2.0"),
         (Problem((1.0, 1.0), (cand("ns/a", 1.0, 1.0, math.inf),)), r"'ns/a': tputs\[1\] = inf"),
         (Problem((1.0,), (cand("ns/a", -1.0, 1.0),)), r"'ns/a': cost = -1.0"),
@@ -543,6 +621,9 @@ GOOD = cand("ns/a100", 1.0, 1.0, 2.0)
         "infinite-rate",
         "headroom-below-1",
         "infinite-headroom",
+        "zero-attainment",
+        "attainment-above-1",
+        "nan-attainment",
         "negative-tput",
         "infinite-tput",
         "negative-cost",

@@ -81,6 +81,13 @@ class _Metrics:
             ["model"],
             registry=r,
         )
+        self.exempt = Gauge(
+            "hetero_optimizer_exempt_rate",
+            "Request rate (req/s) the last plan leaves out of the SLO's capacity under its"
+            " attainment target (HETERO_GATEWAY_OPTIMIZER_ATTAINMENT): routed, served late.",
+            ["model"],
+            registry=r,
+        )
         self.replicas = Gauge(
             "hetero_optimizer_replicas",
             "Replicas the optimizer answers for each deployment (override, plan or current).",
@@ -197,7 +204,13 @@ class Optimizer:
         deployments = [h.deployment for h in self._held.values() if h.monitored]
         profiles = self._profiles(model)
         inputs = build_problem(
-            model, deployments, profiles, load, headroom=s.headroom, caps=s.max_replicas
+            model,
+            deployments,
+            profiles,
+            load,
+            headroom=s.headroom,
+            caps=s.max_replicas,
+            attainment=s.attainment,
         )
         if inputs.beyond_grid:
             log.info(
@@ -218,6 +231,7 @@ class Optimizer:
         self.metrics.cost.labels(model).set(plan.cost)
         self.metrics.rate.labels(model).set(inputs.traffic.rate)
         self.metrics.unserved.labels(model).set(sum(plan.unserved))
+        self.metrics.exempt.labels(model).set(sum(plan.exempt))
         published = {}
         for d in inputs.deployments:
             held = self._held.get(d.key)
@@ -308,6 +322,7 @@ class Optimizer:
             "settings": {
                 "lookback_s": self.settings.lookback_s,
                 "headroom": self.settings.headroom,
+                "attainment": self.settings.attainment,
                 "scale_down_windows": self.settings.scale_down_windows,
                 "max_replicas": dict(self.settings.max_replicas),
             },
@@ -349,6 +364,7 @@ def _debug(
             "rate": inputs.traffic.rate,
         },
         "headroom": p.headroom,
+        "attainment": p.attainment,
         "cells": [
             {
                 "input_tokens": round(i, 1),
@@ -358,6 +374,7 @@ def _debug(
                 "mix_tputs": {c.name: c.mix[k] for c in p.candidates},
                 "share": {c.name: plan.share[k][j] for j, c in enumerate(p.candidates)},
                 "unserved": plan.unserved[k],
+                "exempt": plan.exempt[k],
                 "servable": k not in plan.infeasible_cells,
             }
             for k, (i, o) in enumerate(inputs.cells)
