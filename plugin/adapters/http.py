@@ -22,6 +22,7 @@ from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import UNREACHABLE, UNUSABLE, MetricsScraper
 from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
+from plugin.core.latency import ClientLatency, Histogram
 from plugin.core.pool import PodPool
 from plugin.core.router import Buckets, PredictionStats, WaitStats
 
@@ -86,6 +87,48 @@ def queue_families(
     yield ratio
 
 
+_LATENCY_FAMILIES = (
+    (
+        "ttft",
+        "hetero_gateway_time_to_first_token_seconds",
+        "Time from the request's arrival at the gateway to its first streamed token, per pod"
+        " (responses with SSE events, status 200).",
+    ),
+    (
+        "tpot",
+        "hetero_gateway_time_per_output_token_seconds",
+        "Per request, the mean gap between output tokens after the first: (last event - first"
+        " event) / (output tokens - 1), per pod.",
+    ),
+    (
+        "e2e",
+        "hetero_gateway_e2e_request_latency_seconds",
+        "Time from the request's arrival at the gateway to the end of its response, per pod"
+        " (status 200).",
+    ),
+    (
+        "tokens",
+        "hetero_gateway_request_output_tokens",
+        "Output tokens per response (the engine's usage, else the SSE events), per pod.",
+    ),
+)
+
+
+def latency_families(latency: ClientLatency) -> Iterator[Metric]:
+    """Latency as clients feel it, per pod (`plugin.core.latency`); sum by deployment for a GPU
+    type's."""
+    labels = ["pod", "model", "deployment"]
+    for attr, name, what in _LATENCY_FAMILIES:
+        family = HistogramMetricFamily(name, what, labels=labels)
+        for key, pod in sorted(latency.pods.items()):
+            data: Histogram = getattr(pod, attr)
+            bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
+            buckets = [(b, c) for b, c in zip(bounds, data.cumulative(), strict=True)]
+            buckets.append(("+Inf", data.count))
+            family.add_metric([key, pod.model, pod.deployment], buckets, data.total)
+        yield family
+
+
 def profile_families(beyond: BeyondGrid, drift: ProfileDrift) -> Iterator[Metric]:
     """GPU profiles against served traffic (`plugin.core.drift`): requests beyond a profile's
     grid, and each cell's drift ratio with the requests it rests on."""
@@ -135,8 +178,10 @@ class GatewayCollector(Collector):
         prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
         beyond: BeyondGrid | None = None,
         drift: ProfileDrift | None = None,
+        latency: ClientLatency | None = None,
     ) -> None:
         self._pool = pool
+        self._latency = latency
         self._beyond = beyond
         self._drift = drift
         self._prefix_cache = prefix_cache
@@ -265,6 +310,8 @@ class GatewayCollector(Collector):
                 for model, per_model in sorted(prefix.items()):
                     family.add_metric([model], per_model[i])
                 yield family
+        if self._latency is not None:
+            yield from latency_families(self._latency)
         if self._waits is not None:
             yield from queue_families(self._waits, self._predictions)
         if self._beyond is not None and self._drift is not None:
@@ -343,6 +390,7 @@ def build_app(
     prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
     beyond: BeyondGrid | None = None,
     drift: ProfileDrift | None = None,
+    latency: ClientLatency | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(
@@ -359,6 +407,7 @@ def build_app(
             prefix_cache,
             beyond,
             drift,
+            latency,
         )
     )
 

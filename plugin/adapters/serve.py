@@ -302,6 +302,7 @@ class Gateway:
             tracing=self.tracer,
             beyond=self.router.beyond,
             drift=self.router.drift,
+            latency=self.router.latency,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

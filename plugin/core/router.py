@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
+from plugin.core.latency import ClientLatency
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
@@ -247,6 +248,7 @@ class Router:
         "drift",
         "gate",
         "history",
+        "latency",
         "max_waiting",
         "on_warning",
         "pool",
@@ -286,6 +288,7 @@ class Router:
         self.max_waiting = max_waiting  # per model; a request beyond is rejected (QueueFull)
         self.waits = WaitStats()
         self.predictions = PredictionStats()
+        self.latency = ClientLatency()  # per pod, as clients feel it (fed by the streams)
         # GPU profiles against traffic: requests beyond a grid, cells off from what they served.
         self.beyond = BeyondGrid()
         self.drift = ProfileDrift()
@@ -299,11 +302,13 @@ class Router:
 
     def pods_removed(self, keys: Sequence[str]) -> None:
         """Pods left discovery: strategies that remember pods (prefix-cache) forget them, so a
-        pod that comes back under the same name is not credited with a cache it lost."""
+        pod that comes back under the same name is not credited with a cache it lost; their
+        latency series go (bounded labels)."""
         if not keys:
             return
         for strategy in self._strategies.values():
             strategy.forget(*keys)
+        self.latency.forget(keys)
 
     def imbalance_fired(self) -> dict[str, int]:
         """Requests the imbalance gates routed themselves, per model (none without a gate)."""

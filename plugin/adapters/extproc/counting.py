@@ -90,7 +90,14 @@ class CountingProcessor:
                     lease = _value(h)
             pod, router, handoff = self._pod, self._router, self._handoff
             if pod is not None and self._tokens.gaps is None:
-                self._tokens.gaps = ChunkGaps(router.pool, pod.key, router.now, self._prompt_tokens)
+                self._tokens.gaps = ChunkGaps(
+                    router.pool,
+                    pod.key,
+                    router.now,
+                    self._prompt_tokens,
+                    latency=router.latency,
+                    pod=pod,
+                )
             if handoff is not None and endpoint:
                 key = (request_id, endpoint)
                 self._decision = handoff.claim(key)
@@ -102,6 +109,8 @@ class CountingProcessor:
                     held = None
                 if self._tokens.gaps is not None:
                     self._tokens.gaps.lease = held
+                    if self._decision is not None:  # the client's wait at the gateway counts
+                        self._tokens.gaps.started_at = self._decision.request.arrived_at
         elif phase == "response_headers" and self._pod is not None:
             self._tokens.status = _status(req.response_headers)
 

@@ -362,6 +362,9 @@ class RoutingProcessor:
                     router.now,
                     decision.request.prompt_tokens,
                     decision.lease,
+                    router.latency,
+                    decision.lease.pod,
+                    decision.request.arrived_at,
                 )
             tokens.feed(msg.body, msg.end_of_stream)
             if msg.end_of_stream:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from plugin.core.latency import ClientLatency
 from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Decision, Router
 from plugin.core.types import Pod
@@ -28,9 +29,22 @@ class ChunkGaps:
     (k steps where an engine sends k tokens per event: the watch compares the pod with itself).
     The first event marks the stream as started (its prompt of `prompt_tokens` was prefilled)
     and, where this stream holds the request's `lease`, shrinks its share of the pod
-    (`Lease.streaming`); `close` ends it."""
+    (`Lease.streaming`); `close` ends it and, with `latency` set, records what the client felt
+    (`plugin.core.latency`: from `started_at`, the request's arrival, else when this was made)."""
 
-    __slots__ = ("_clock", "_events", "_last", "_pool", "key", "lease", "prompt_tokens")
+    __slots__ = (
+        "_clock",
+        "_events",
+        "_first",
+        "_last",
+        "_pool",
+        "key",
+        "latency",
+        "lease",
+        "pod",
+        "prompt_tokens",
+        "started_at",
+    )
 
     def __init__(
         self,
@@ -39,13 +53,20 @@ class ChunkGaps:
         clock: Callable[[], float],
         prompt_tokens: int = 0,
         lease: Lease | None = None,
+        latency: ClientLatency | None = None,
+        pod: Pod | None = None,
+        started_at: float | None = None,
     ) -> None:
         self._pool = pool
         self.key = key
         self._clock = clock
         self.prompt_tokens = prompt_tokens
         self.lease = lease
+        self.latency = latency
+        self.pod = pod
+        self.started_at = clock() if started_at is None else started_at
         self._events = 0
+        self._first: float | None = None
         self._last: float | None = None
 
     def seen(self, events: int) -> None:
@@ -57,6 +78,7 @@ class ChunkGaps:
         self._pool.stream_alive(self.key, now)
         last = self._last
         if last is None:
+            self._first = now
             self._pool.stream_started(self.key, self.prompt_tokens)
             if self.lease is not None:
                 self.lease.streaming()
@@ -65,11 +87,26 @@ class ChunkGaps:
         self._last = now
         self._events = events
 
-    def close(self, output_tokens: int = 0) -> None:
-        """The response ended (or was cut) with `output_tokens` in the events seen."""
-        if self._last is not None:
+    def close(self, output_tokens: int = 0, served: bool = False) -> None:
+        """The response ended (or was cut) with `output_tokens` in the events seen (0: not
+        known); `served`: it was a 200, so its latency counts."""
+        last = self._last
+        if last is not None:
             self._last = None
             self._pool.stream_ended(self.key, self.prompt_tokens, output_tokens, self._events)
+        latency, pod = self.latency, self.pod
+        if served and latency is not None and pod is not None:
+            self.latency = None  # once
+            latency.observe(
+                self.key,
+                pod.model,
+                pod.deployment or "",
+                self.started_at,
+                self._first,
+                last,
+                self._clock(),
+                output_tokens or self._events,
+            )
 
 
 class ResponseTokens:
@@ -100,7 +137,8 @@ class ResponseTokens:
     def close_gaps(self) -> None:
         if self.gaps is not None:
             # An estimate counts events, which would read k tokens an event as one.
-            self.gaps.close(0 if self.estimated() else self.output_tokens())
+            tokens = 0 if self.estimated() else self.output_tokens()
+            self.gaps.close(tokens, served=self.status == 200)
             self.gaps = None
 
     def output_tokens(self) -> int:

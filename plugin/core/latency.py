@@ -1,0 +1,116 @@
+"""Latency as clients feel it, per pod: TTFT, TPOT, E2E and output tokens of each response the
+gateway streamed, as Prometheus-shaped histograms read by /metrics.
+
+Times come from the streams the plugin already reads (`ChunkGaps` in the ext_proc adapter): a
+request starts when its headers reached the gateway (its routing stream's arrival; on a counting
+stream whose routing ran on another replica, when the counting stream saw its headers), its
+first token is its first SSE data event, and it ends when its body ends. TPOT is per request,
+the mean gap after the first token: (last event - first event) / (output tokens - 1), as
+`SloTarget` judges it. A response without SSE events (`"stream": false`) has an E2E and a token
+count but no TTFT or TPOT.
+
+Per pod, labelled with its model and deployment (GPU type), so a deployment's figures are a
+`sum by (deployment)` away and the label set stays bounded: a pod's series go when it leaves
+(`forget`). Observing costs a dict lookup and four binary searches per response, nothing per
+chunk (the chunk path only keeps the first and last event's times, which it kept already).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable
+
+__all__ = [
+    "E2E_BUCKETS_S",
+    "TOKEN_BUCKETS",
+    "TPOT_BUCKETS_S",
+    "TTFT_BUCKETS_S",
+    "ClientLatency",
+    "Histogram",
+    "PodLatency",
+]
+
+# Milliseconds to minutes: a cached short prompt's first token to a long answer's end.
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# An H100's few ms per token to an overloaded engine's quarter second and more.
+TPOT_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+TOKEN_BUCKETS = (16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+
+
+class Histogram:
+    """Counts per bucket (not cumulative: one increment an observation), made cumulative when
+    read (`cumulative`), as Prometheus's `le` buckets are."""
+
+    __slots__ = ("bounds", "count", "per_bucket", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.per_bucket = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf only)
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.per_bucket[bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.total += value
+
+    def cumulative(self) -> list[int]:
+        """Observations at or below each bound, in order (the +Inf bucket is `count`)."""
+        out, running = [], 0
+        for n in self.per_bucket[:-1]:
+            running += n
+            out.append(running)
+        return out
+
+
+class PodLatency:
+    """One pod's four histograms, with the labels it is exported under."""
+
+    __slots__ = ("deployment", "e2e", "model", "tokens", "tpot", "ttft")
+
+    def __init__(self, model: str, deployment: str) -> None:
+        self.model = model
+        self.deployment = deployment
+        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.tpot = Histogram(TPOT_BUCKETS_S)
+        self.e2e = Histogram(E2E_BUCKETS_S)
+        self.tokens = Histogram(TOKEN_BUCKETS)
+
+
+class ClientLatency:
+    """Every pod's `PodLatency`, by pod key; a pod's entry is made on its first response."""
+
+    __slots__ = ("pods",)
+
+    def __init__(self) -> None:
+        self.pods: dict[str, PodLatency] = {}
+
+    def observe(
+        self,
+        key: str,
+        model: str,
+        deployment: str,
+        started: float,
+        first: float | None,
+        last: float | None,
+        ended: float,
+        output_tokens: int,
+    ) -> None:
+        """A response of `output_tokens` ended at `ended`; `first`/`last`: its first and last
+        SSE data events (None for a response without any). Times in seconds, one clock."""
+        pod = self.pods.get(key)
+        if pod is None:
+            pod = self.pods[key] = PodLatency(model, deployment)
+        pod.e2e.observe(max(0.0, ended - started))
+        pod.tokens.observe(output_tokens)
+        if first is None:
+            return
+        pod.ttft.observe(max(0.0, first - started))
+        if output_tokens > 1 and last is not None:
+            pod.tpot.observe(max(0.0, last - first) / (output_tokens - 1))
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Pods that left: their series go (a pod back under the same name starts anew)."""
+        for key in keys:
+            self.pods.pop(key, None)
