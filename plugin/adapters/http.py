@@ -114,18 +114,29 @@ _LATENCY_FAMILIES = (
 )
 
 
-def latency_families(latency: ClientLatency) -> Iterator[Metric]:
-    """Latency as clients feel it, per pod (`plugin.core.latency`); sum by deployment for a GPU
-    type's."""
+def _add(family: HistogramMetricFamily, labels: list[str], data: Histogram) -> None:
+    bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
+    buckets = [(b, c) for b, c in zip(bounds, data.cumulative(), strict=True)]
+    buckets.append(("+Inf", data.count))
+    family.add_metric(labels, buckets, data.total)
+
+
+def latency_families(latency: ClientLatency, decision_time: Histogram) -> Iterator[Metric]:
+    """Latency as clients feel it, per pod (`plugin.core.latency`; sum by deployment for a GPU
+    type's), and the gateway's own time to decide."""
+    decisions = HistogramMetricFamily(
+        "hetero_gateway_routing_decision_seconds",
+        "The routing stream's time from a request's whole body to its decision (parse, strategy,"
+        " pick; a held request: until it was held, its wait is hetero_gateway_wait_seconds).",
+        labels=[],
+    )
+    _add(decisions, [], decision_time)
+    yield decisions
     labels = ["pod", "model", "deployment"]
     for attr, name, what in _LATENCY_FAMILIES:
         family = HistogramMetricFamily(name, what, labels=labels)
         for key, pod in sorted(latency.pods.items()):
-            data: Histogram = getattr(pod, attr)
-            bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
-            buckets = [(b, c) for b, c in zip(bounds, data.cumulative(), strict=True)]
-            buckets.append(("+Inf", data.count))
-            family.add_metric([key, pod.model, pod.deployment], buckets, data.total)
+            _add(family, [key, pod.model, pod.deployment], getattr(pod, attr))
         yield family
 
 
@@ -178,7 +189,7 @@ class GatewayCollector(Collector):
         prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
         beyond: BeyondGrid | None = None,
         drift: ProfileDrift | None = None,
-        latency: ClientLatency | None = None,
+        latency: tuple[ClientLatency, Histogram] | None = None,
     ) -> None:
         self._pool = pool
         self._latency = latency
@@ -311,7 +322,7 @@ class GatewayCollector(Collector):
                     family.add_metric([model], per_model[i])
                 yield family
         if self._latency is not None:
-            yield from latency_families(self._latency)
+            yield from latency_families(*self._latency)
         if self._waits is not None:
             yield from queue_families(self._waits, self._predictions)
         if self._beyond is not None and self._drift is not None:
@@ -390,7 +401,7 @@ def build_app(
     prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
     beyond: BeyondGrid | None = None,
     drift: ProfileDrift | None = None,
-    latency: ClientLatency | None = None,
+    latency: tuple[ClientLatency, Histogram] | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(

@@ -302,7 +302,7 @@ class Gateway:
             tracing=self.tracer,
             beyond=self.router.beyond,
             drift=self.router.drift,
-            latency=self.router.latency,
+            latency=(self.router.latency, self.router.decision_time),
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

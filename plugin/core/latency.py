@@ -21,6 +21,7 @@ from bisect import bisect_left
 from collections.abc import Iterable
 
 __all__ = [
+    "DECISION_BUCKETS_S",
     "E2E_BUCKETS_S",
     "TOKEN_BUCKETS",
     "TPOT_BUCKETS_S",
@@ -35,6 +36,10 @@ TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # An H100's few ms per token to an overloaded engine's quarter second and more.
 TPOT_BUCKETS_S = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+# The gateway's own time to route a request: tens of microseconds to a slow pass over a big pool.
+DECISION_BUCKETS_S = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
+)  # fmt: skip
 TOKEN_BUCKETS = (16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
-from plugin.core.latency import ClientLatency
+from plugin.core.latency import DECISION_BUCKETS_S, ClientLatency, Histogram
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
@@ -245,6 +245,7 @@ class Router:
         "_waiting",
         "_waking",
         "beyond",
+        "decision_time",
         "drift",
         "gate",
         "history",
@@ -289,6 +290,8 @@ class Router:
         self.waits = WaitStats()
         self.predictions = PredictionStats()
         self.latency = ClientLatency()  # per pod, as clients feel it (fed by the streams)
+        # Parse to decision (routed or held) per request, timed by the routing stream.
+        self.decision_time = Histogram(DECISION_BUCKETS_S)
         # GPU profiles against traffic: requests beyond a grid, cells off from what they served.
         self.beyond = BeyondGrid()
         self.drift = ProfileDrift()

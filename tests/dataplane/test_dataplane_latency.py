@@ -131,6 +131,11 @@ async def test_each_pods_latency_matches_its_engines_own_within_a_bucket(
         assert e2e == pytest.approx(expected, rel=0.15), (e.name, e2e, expected)
         assert abs(_bucket(E2E_BUCKETS_S, e2e) - _bucket(E2E_BUCKETS_S, expected)) <= 1
         assert _mean(plugin[NAMES["tokens"]], **mine) == MAX_TOKENS
+    # The gateway's own time: one decision per request, each well under a millisecond or so.
+    decisions = plugin["hetero_gateway_routing_decision_seconds"]
+    before_count = _stat(plugin_before.get("hetero_gateway_routing_decision_seconds", {}), "_count")
+    assert _stat(decisions, "_count") - before_count == REQUESTS * len(fleet.engines)
+    assert 0 < _mean(decisions) < 0.05
     # The V100 is slower per token than the A100: the histograms tell GPU types apart.
     v100, a100 = (
         _mean(plugin[NAMES["tpot"]], pod=f"{fleet.spec.namespace}/{e.name}") for e in fleet.engines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -206,6 +207,7 @@ class RoutingProcessor:
         self._body_parts.append(msg.body)
         if not msg.end_of_stream:
             return _CONTINUE_REQUEST_BODY  # BUFFERED sends one message; be safe with more
+        started = time.perf_counter()
         body = b"".join(self._body_parts)
         self._body_parts = []
         headers = self._headers
@@ -231,6 +233,7 @@ class RoutingProcessor:
             if self._tracer is not None and request is not None and type(err) is not UnknownModel:
                 self._tracer.arrived(request.model)
             return self._fail(err)
+        self._router.decision_time.observe(time.perf_counter() - started)
         if self._tracer is not None:
             self._tracer.arrived(request.model)
         if self._strips_usage and request.stream and headers.get(":path") in USAGE_OPTION_PATHS:
