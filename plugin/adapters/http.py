@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 from aiohttp import web
@@ -22,7 +22,7 @@ from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import UNREACHABLE, UNUSABLE, MetricsScraper
 from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
-from plugin.core.latency import ClientLatency, Histogram
+from plugin.core.latency import ClientLatency, Histogram, SloOutcomes
 from plugin.core.pool import PodPool
 from plugin.core.router import Buckets, PredictionStats, WaitStats
 
@@ -121,9 +121,28 @@ def _add(family: HistogramMetricFamily, labels: list[str], data: Histogram) -> N
     family.add_metric(labels, buckets, data.total)
 
 
-def latency_families(latency: ClientLatency, decision_time: Histogram) -> Iterator[Metric]:
+class LatencyView(NamedTuple):
+    """What the HTTP side reads of the router's latency records (`plugin.core.latency`)."""
+
+    clients: ClientLatency
+    decision_time: Histogram
+    slo_outcomes: SloOutcomes
+
+
+def latency_families(view: LatencyView) -> Iterator[Metric]:
     """Latency as clients feel it, per pod (`plugin.core.latency`; sum by deployment for a GPU
-    type's), and the gateway's own time to decide."""
+    type's), the gateway's own time to decide, and requests with an SLO by outcome."""
+    outcomes = CounterMetricFamily(
+        "hetero_gateway_slo_requests",
+        "Requests with an SLO (their own x-slo-* headers, or routed by an SLO strategy by a GPU"
+        " profile's), by outcome: met, late (served, a target missed; as the client felt it)"
+        " or rejected (deployment empty).",
+        labels=["model", "deployment", "outcome"],
+    )
+    for (model, deployment, outcome), count in sorted(view.slo_outcomes.counts.items()):
+        outcomes.add_metric([model, deployment, outcome], count)
+    yield outcomes
+    latency, decision_time = view.clients, view.decision_time
     decisions = HistogramMetricFamily(
         "hetero_gateway_routing_decision_seconds",
         "The routing stream's time from a request's whole body to its decision (parse, strategy,"
@@ -189,7 +208,7 @@ class GatewayCollector(Collector):
         prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
         beyond: BeyondGrid | None = None,
         drift: ProfileDrift | None = None,
-        latency: tuple[ClientLatency, Histogram] | None = None,
+        latency: LatencyView | None = None,
     ) -> None:
         self._pool = pool
         self._latency = latency
@@ -322,7 +341,7 @@ class GatewayCollector(Collector):
                     family.add_metric([model], per_model[i])
                 yield family
         if self._latency is not None:
-            yield from latency_families(*self._latency)
+            yield from latency_families(self._latency)
         if self._waits is not None:
             yield from queue_families(self._waits, self._predictions)
         if self._beyond is not None and self._drift is not None:
@@ -401,7 +420,7 @@ def build_app(
     prefix_cache: Callable[[], Mapping[str, tuple[int, int, int]]] = dict,
     beyond: BeyondGrid | None = None,
     drift: ProfileDrift | None = None,
-    latency: tuple[ClientLatency, Histogram] | None = None,
+    latency: LatencyView | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
     registry.register(

@@ -20,7 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from plugin.adapters.discovery import PodsCallback, PodSource, StaticFileSource
 from plugin.adapters.extproc import ExtProcServicer
 from plugin.adapters.extproc.locks import HeaderLock
-from plugin.adapters.http import build_app
+from plugin.adapters.http import LatencyView, build_app
 from plugin.adapters.native_memory import MemoryTrimmer
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
 from plugin.adapters.scraper import MetricsScraper
@@ -302,7 +302,9 @@ class Gateway:
             tracing=self.tracer,
             beyond=self.router.beyond,
             drift=self.router.drift,
-            latency=(self.router.latency, self.router.decision_time),
+            latency=LatencyView(
+                self.router.latency, self.router.decision_time, self.router.slo_outcomes
+            ),
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable
+from typing import NamedTuple
+
+from plugin.core.types import SloTarget
 
 __all__ = [
     "DECISION_BUCKETS_S",
@@ -27,8 +30,10 @@ __all__ = [
     "TPOT_BUCKETS_S",
     "TTFT_BUCKETS_S",
     "ClientLatency",
+    "Felt",
     "Histogram",
     "PodLatency",
+    "SloOutcomes",
 ]
 
 # Milliseconds to minutes: a cached short prompt's first token to a long answer's end.
@@ -83,6 +88,37 @@ class PodLatency:
         self.tokens = Histogram(TOKEN_BUCKETS)
 
 
+class Felt(NamedTuple):
+    """One response as its client felt it (seconds; None where it had no SSE event to time)."""
+
+    ttft: float | None
+    tpot: float | None
+    e2e: float
+    output_tokens: int
+
+    def met(self, target: SloTarget, prompt_tokens: int) -> bool:
+        """Whether it met every target set. A response without events got its first token
+        with its end (TTFT = E2E) and has no gaps to judge (TPOT met)."""
+        ttft = self.e2e if self.ttft is None else self.ttft
+        tpot = 0.0 if self.tpot is None else self.tpot
+        return target.met(ttft, tpot, self.e2e, prompt_tokens + self.output_tokens)
+
+
+class SloOutcomes:
+    """Requests with an SLO (their own `x-slo-*` headers, or routed by an SLO strategy by a GPU
+    profile's), by model, deployment and outcome: `met`, `late` (served, a target missed) or
+    `rejected` (deployment ""). The share of each is what an operator's SLO report needs."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, str], int] = {}
+
+    def count(self, model: str, deployment: str, outcome: str) -> None:
+        key = (model, deployment, outcome)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
 class ClientLatency:
     """Every pod's `PodLatency`, by pod key; a pod's entry is made on its first response."""
 
@@ -101,19 +137,24 @@ class ClientLatency:
         last: float | None,
         ended: float,
         output_tokens: int,
-    ) -> None:
+    ) -> Felt:
         """A response of `output_tokens` ended at `ended`; `first`/`last`: its first and last
         SSE data events (None for a response without any). Times in seconds, one clock."""
         pod = self.pods.get(key)
         if pod is None:
             pod = self.pods[key] = PodLatency(model, deployment)
-        pod.e2e.observe(max(0.0, ended - started))
+        e2e = max(0.0, ended - started)
+        pod.e2e.observe(e2e)
         pod.tokens.observe(output_tokens)
         if first is None:
-            return
-        pod.ttft.observe(max(0.0, first - started))
+            return Felt(None, None, e2e, output_tokens)
+        ttft = max(0.0, first - started)
+        pod.ttft.observe(ttft)
+        tpot = None
         if output_tokens > 1 and last is not None:
-            pod.tpot.observe(max(0.0, last - first) / (output_tokens - 1))
+            tpot = max(0.0, last - first) / (output_tokens - 1)
+            pod.tpot.observe(tpot)
+        return Felt(ttft, tpot, e2e, output_tokens)
 
     def forget(self, keys: Iterable[str]) -> None:
         """Pods that left: their series go (a pod back under the same name starts anew)."""

@@ -26,18 +26,25 @@ from dataclasses import dataclass
 
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
-from plugin.core.latency import DECISION_BUCKETS_S, ClientLatency, Histogram
+from plugin.core.latency import (
+    DECISION_BUCKETS_S,
+    ClientLatency,
+    Felt,
+    Histogram,
+    SloOutcomes,
+)
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
 from plugin.core.strategies.base import FALLBACK
 from plugin.core.strategies.gate import ImbalanceGate, Wrapped
-from plugin.core.types import Candidate, Pod, RequestInfo
+from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
 from plugin.errors import (
     NoMatchingPod,
     QueueFull,
     RequestError,
     RoutingFailed,
+    SloUnmeetable,
     UnknownStrategy,
 )
 
@@ -254,6 +261,7 @@ class Router:
         "on_warning",
         "pool",
         "predictions",
+        "slo_outcomes",
         "waits",
     )
 
@@ -292,6 +300,7 @@ class Router:
         self.latency = ClientLatency()  # per pod, as clients feel it (fed by the streams)
         # Parse to decision (routed or held) per request, timed by the routing stream.
         self.decision_time = Histogram(DECISION_BUCKETS_S)
+        self.slo_outcomes = SloOutcomes()
         # GPU profiles against traffic: requests beyond a grid, cells off from what they served.
         self.beyond = BeyondGrid()
         self.drift = ProfileDrift()
@@ -341,9 +350,18 @@ class Router:
                 return pod
         return next((c.pod for c in view if c.pod.key != chosen.key), None)
 
-    def finished(self, decision: Decision, status: int) -> None:
+    def finished(self, decision: Decision, status: int, felt: Felt | None = None) -> None:
         """A routed request's response ended: compare its latency with the prediction (per
-        deployment, and per profile cell: `plugin.core.drift`)."""
+        deployment, and per profile cell: `plugin.core.drift`); with an SLO (its own, or its
+        profile's) and `felt` by its client, count whether it met it."""
+        request, profiled = decision.request, decision.profiled
+        target = request.slo
+        if target is None and profiled is not None:
+            target = SloTarget.from_slos(profiled.profile.slos)
+        if target is not None and felt is not None and status == 200:
+            met = felt.met(target, request.prompt_tokens)
+            pod = decision.lease.pod
+            self.slo_outcomes.count(pod.model, pod.deployment or "", "met" if met else "late")
         if decision.expected_e2e_s is not None and status == 200:
             pod = decision.lease.pod
             deployment = pod.deployment or ""
@@ -456,6 +474,7 @@ class Router:
             strategy.routed(answer.candidate, request)
             return self._decided(answer, request, asked.name, lease, now)
         if type(answer) is Reject:
+            self._rejected(request, answer.error)
             raise answer.error
         if type(answer) is Wait:
             held = self.waiting(request.model)
@@ -581,7 +600,14 @@ class Router:
         self, waiter: Waiter, decision: Decision | None, error: RequestError | None
     ) -> None:
         self.waits.observe(self._clock() - waiter.since, routed=decision is not None)
+        if error is not None:
+            self._rejected(waiter.request, error)
         waiter._settle(decision, error)
+
+    def _rejected(self, request: RequestInfo, error: RequestError) -> None:
+        """A request refused because its SLO could not be met counts as an SLO outcome."""
+        if isinstance(error, SloUnmeetable):
+            self.slo_outcomes.count(request.model, "", "rejected")
 
     def _forget(self, waiter: Waiter) -> None:
         model = waiter.request.model

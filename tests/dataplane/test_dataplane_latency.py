@@ -180,3 +180,38 @@ async def test_a_pod_that_leaves_takes_its_series_with_it(fleet: LocalFleet) -> 
             "the pod back in the pool",
             limit_s=15,
         )
+
+
+async def test_requests_with_an_slo_count_as_met_or_late(fleet: LocalFleet) -> None:
+    """A client's own `x-slo-ttft-ms`: a target of a minute is met, one of a millisecond is
+    not (the engine alone takes longer to its first token); each counts once, by deployment."""
+
+    def outcomes(families: dict[str, dict[str, float]], outcome: str) -> float:
+        samples = families.get("hetero_gateway_slo_requests", {})
+        return sum(
+            v
+            for k, v in samples.items()
+            if k.startswith("hetero_gateway_slo_requests_total")
+            and repr(("outcome", outcome)) in k
+        )
+
+    async with aiohttp.ClientSession() as session:
+        await wait_idle(session, fleet)
+        before = await _families(session, fleet.plugin_url)
+        for target in ("60000", "1"):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "judge me"}],
+                "max_tokens": 8,
+                "stream": True,
+            }
+            headers = {"x-slo-ttft-ms": target}
+            url = f"{fleet.envoy_url}/v1/chat/completions"
+            async with session.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.read()
+        await wait_idle(session, fleet)
+        after = await _families(session, fleet.plugin_url)
+    assert outcomes(after, "met") - outcomes(before, "met") == 1
+    assert outcomes(after, "late") - outcomes(before, "late") == 1
+    assert outcomes(after, "rejected") == outcomes(before, "rejected")

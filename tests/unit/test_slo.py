@@ -20,6 +20,7 @@ from scipy import stats
 
 from plugin.adapters.http import queue_families
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.latency import Felt
 from plugin.core.pool import PodPool
 from plugin.core.profile import GpuProfile, ProfileBook, parse_profile, profile_key
 from plugin.core.request import parse_request
@@ -382,6 +383,28 @@ def test_a_held_request_is_rejected_when_its_slo_runs_out() -> None:
     late = req(clock, arrived_at=clock.t - 5.0)  # already waited longer than its slack
     with pytest.raises(RoutingFailed, match="can no longer be met"):
         router.admit(late, slo)
+    # Both count as SLO outcomes of the model (no deployment served them).
+    assert router.slo_outcomes.counts == {(MODEL, "", "rejected"): 2}
+
+
+def test_served_requests_count_as_met_or_late_by_what_their_client_felt() -> None:
+    router, _, clock, _ = setup(pod("f", "fast"))
+    by_profile = router.admit(req(clock), strategy(router, "slo"))  # the profile's SLO
+    own = router.admit(req(clock, slo=SloTarget(ttft_s=0.5)), strategy(router, "least-request"))
+    plain = router.admit(req(clock), strategy(router, "least-request"))  # no SLO: not counted
+    assert isinstance(by_profile, Decision) and by_profile.profiled is not None
+    assert isinstance(own, Decision) and isinstance(plain, Decision)
+    targets = SloTarget.from_slos(by_profile.profiled.profile.slos)
+    assert targets.e2e_s is not None
+    router.finished(by_profile, 200, Felt(0.1, 0.001, targets.e2e_s / 2, 20))
+    router.finished(own, 200, Felt(0.6, 0.001, 1.0, 20))  # its own TTFT target: 0.5 s
+    router.finished(plain, 200, Felt(9.0, 0.5, 30.0, 20))
+    router.finished(own, 500, Felt(0.1, 0.001, 1.0, 20))  # an engine error is not an outcome
+    deployment = by_profile.lease.pod.deployment
+    assert router.slo_outcomes.counts == {
+        (MODEL, deployment, "met"): 1,
+        (MODEL, deployment, "late"): 1,
+    }
 
 
 def test_no_gpu_type_can_serve_the_size_is_rejected_at_once() -> None:

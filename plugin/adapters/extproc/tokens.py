@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from plugin.core.latency import ClientLatency
+from plugin.core.latency import ClientLatency, Felt
 from plugin.core.pool import Lease, PodPool
 from plugin.core.router import Decision, Router
 from plugin.core.types import Pod
@@ -38,6 +38,7 @@ class ChunkGaps:
         "_first",
         "_last",
         "_pool",
+        "felt",
         "key",
         "latency",
         "lease",
@@ -68,6 +69,7 @@ class ChunkGaps:
         self._events = 0
         self._first: float | None = None
         self._last: float | None = None
+        self.felt: Felt | None = None  # set by `close` when the latency was recorded
 
     def seen(self, events: int) -> None:
         """The response's data events so far."""
@@ -97,7 +99,7 @@ class ChunkGaps:
         latency, pod = self.latency, self.pod
         if served and latency is not None and pod is not None:
             self.latency = None  # once
-            latency.observe(
+            self.felt = latency.observe(
                 self.key,
                 pod.model,
                 pod.deployment or "",
@@ -117,12 +119,13 @@ class ResponseTokens:
     set, the times between its events feed the pod's speed watch.
     """
 
-    __slots__ = ("_scanner", "gaps", "status")
+    __slots__ = ("_scanner", "felt", "gaps", "status")
 
     def __init__(self) -> None:
         self.status = 0
         self._scanner: UsageScanner | None = None
         self.gaps: ChunkGaps | None = None
+        self.felt: Felt | None = None  # as the client felt it, once the gaps are closed
 
     def feed(self, chunk: bytes, end_of_stream: bool) -> None:
         if self.status != 200:
@@ -139,6 +142,7 @@ class ResponseTokens:
             # An estimate counts events, which would read k tokens an event as one.
             tokens = 0 if self.estimated() else self.output_tokens()
             self.gaps.close(tokens, served=self.status == 200)
+            self.felt = self.gaps.felt
             self.gaps = None
 
     def output_tokens(self) -> int:
@@ -178,7 +182,7 @@ def _finish(
         return
     request = decision.request
     router.completed(request.model, request.prompt_tokens, output, status)
-    router.finished(decision, status)
+    router.finished(decision, status, tokens.felt)
     if tracer is not None:
         tracer.ended(request.model, request.arrived_at)
         _trace_completed(tracer, request.model, tokens, request.prompt_tokens, output)
