@@ -63,7 +63,8 @@ OVERLAYS = ("original-dst", "override-host")  # the two ways Envoy follows the p
 # original-dst + deploy/components/shared-state (Redis, 2 replicas) + deploy/components/optimizer
 SHARED_STATE = "shared-state"
 AUTOSCALING = "autoscaling"  # shared-state + AIBrix PodAutoscalers for the sample model
-ALL_OVERLAYS = (*OVERLAYS, SHARED_STATE, AUTOSCALING)
+MONITORING = "monitoring"  # shared-state + deploy/components/monitoring (dashboard, alert rules)
+ALL_OVERLAYS = (*OVERLAYS, SHARED_STATE, AUTOSCALING, MONITORING)
 SHARED_STATE_COMPONENT = DEPLOY / "components" / SHARED_STATE
 OPTIMIZER_COMPONENT = DEPLOY / "components" / "optimizer"
 OPENAI_ERRORS_COMPONENT = DEPLOY / "components" / "openai-errors"

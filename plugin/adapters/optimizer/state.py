@@ -46,7 +46,9 @@ class _Held:
     monitored: bool = True
 
 
-class _Metrics:
+class OptimizerMetrics:
+    """The optimizer's own Prometheus metrics, on its `/metrics`."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -121,7 +123,7 @@ class Optimizer:
         self.profiles = profiles
         self.clock = clock
         self.gate = ScaleDownGate(settings.scale_down_windows)
-        self.metrics = _Metrics()
+        self.metrics = OptimizerMetrics()
         self._held: dict[str, _Held] = {}
         self._last: dict[str, dict[str, Any]] = {}  # model -> the last plan and its inputs
         self._listing = asyncio.Lock()
