@@ -461,7 +461,7 @@ OPTIMIZER_ATTAINMENT: Var[float] = Var(
     Float(gt=0, le=1),
     1.0,
     "Optimizer: the least share of requests a plan serves within the SLO; below 1 (0.99 for an"
-    " SLO held at p99) it may leave the costliest rest to be served late instead of buying for it.",
+    " SLO held at p99) the rest may be served late, their work still planned for.",
 )
 OPTIMIZER_SCALE_DOWN_WINDOWS: Var[int] = Var(
     "HETERO_GATEWAY_OPTIMIZER_SCALE_DOWN_WINDOWS",

@@ -37,11 +37,12 @@ Corner cases are answered, never dropped:
 - an attainment target below 1 (`Problem.attainment`, say 0.99 for an SLO held for 99% of
   requests): the cheapest fleet that serves at least that share of all traffic within the SLO,
   the same program with each cell's share allowed below 1 and its shares' rate at least the
-  target (then, on that fleet, the most it can serve, so the rate left out is the least it
-  must be). What is left out is in `exempt`: those requests are still routed, served late or at
-  the engine's pace, and their work is not planned for, so a target only makes sense as loose as
-  the SLO's own percentile. Cells no candidate serves count against the target first; status
-  stays "optimal";
+  target (then, on that fleet, the most it can serve in time). What is left out is in `exempt`:
+  those requests are still routed and served late, so they still take their pods' time: each
+  is charged to a candidate as the work of its cell in a mix (a share `y_kd`, in each
+  candidate's row beside the `x`s but in no "alone" row), or, on a candidate that never meets
+  the SLO at its size (`tputs` 0, so no figure), as that candidate's costliest cell with
+  traffic. Cells no candidate serves count against the target first; status stays "optimal";
 - caps that leave too few replicas for the traffic: two phases. Phase 1 (a linear program with
   every candidate at its upper bound) finds the most rate the capped fleet can serve; phase 2 is
   the MILP above with each cell's share allowed below 1, constrained to serve that much, at least
@@ -123,7 +124,7 @@ class Plan:
     status: str  # "optimal" | "short" (caps leave rate unserved) | "idle" (no traffic)
     # Per candidate (in Problem order): the work assigned to it in replicas (<= its replicas).
     load: tuple[float, ...] = field(default=())
-    # req/s per cell left out of the SLO's capacity under `Problem.attainment` (all 0 at 1).
+    # req/s per cell served late under `Problem.attainment` (all 0 at 1): their work is in `load`.
     exempt: tuple[float, ...] = field(default=())
 
 
@@ -205,6 +206,11 @@ class _Model:
     lower: list[int]  # per candidate
     upper: list[int]  # per candidate
     total: float  # req/s over `cells`
+    # Under an attainment target, a y variable per (cell, candidate) that serves anything: the
+    # share of the cell it serves late, and the replicas the whole cell would take there.
+    late_cell: list[int] = field(default_factory=list)
+    late_cand: list[int] = field(default_factory=list)
+    late_need: list[float] = field(default_factory=list)
 
 
 def _model(problem: Problem, cells: list[int]) -> _Model:
@@ -240,7 +246,32 @@ def _model(problem: Problem, cells: list[int]) -> _Model:
         upper.append(bound if cand.max_replicas is None else min(cand.max_replicas, bound))
     lower = [c.min_replicas for c in problem.candidates]
     total = math.fsum(problem.rates[k] for k in cells)
-    return _Model(cells, pair_cell, pair_cand, need, alone, lower, upper, total)
+    m = _Model(cells, pair_cell, pair_cand, need, alone, lower, upper, total)
+    if problem.attainment < 1:
+        _late_pairs(problem, m)
+    return m
+
+
+def _late_pairs(problem: Problem, m: _Model) -> None:
+    """The y variables: a request served late still takes its pod's time. Where the candidate
+    serves its cell at all, at what the cell costs in a mix; where it never meets the SLO there
+    (`tputs` 0), the profile has no figure, and it is charged as the candidate's costliest cell
+    with traffic (a floor: a longer prompt costs more)."""
+    for d, cand in enumerate(problem.candidates):
+        costs = [1.0 / cand.mix[k] for k in m.cells if cand.tputs[k] > 0]
+        if not costs:
+            continue
+        costliest = max(costs)
+        work = 0.0
+        for i, k in enumerate(m.cells):
+            per_request = 1.0 / cand.mix[k] if cand.tputs[k] > 0 else costliest
+            m.late_cell.append(i)
+            m.late_cand.append(d)
+            m.late_need.append(problem.rates[k] * problem.headroom * per_request)
+            work += m.late_need[-1]
+        # Every request on this candidate, late where it cannot be in time: no plan needs more.
+        bound = max(m.upper[d], math.ceil(work))
+        m.upper[d] = bound if cand.max_replicas is None else min(cand.max_replicas, bound)
 
 
 def _milp(
@@ -251,22 +282,34 @@ def _milp(
     phase: Literal["all", "most", "cheapest"],  # serve every cell | phase 1 | phase 2
     served: float = 0.0,  # "cheapest": the least fraction of the servable rate to serve
     fleet: Sequence[int] | None = None,  # "most": these replicas instead of the upper bounds
-) -> tuple[NDArray[np.float64], NDArray[np.float64]] | None:
-    """Solve one program: (n, x), or None when HiGHS proves it infeasible."""
+    late: bool = False,  # the rest is served late (m's y variables), not left unserved
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None:
+    """Solve one program: (n, x, y), or None when HiGHS proves it infeasible."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
     nd, nx, nk = len(m.lower), len(m.need), len(m.cells)
+    ny = len(m.late_need) if late else 0
     pair_cell = np.asarray(m.pair_cell, dtype=np.int64)
     cols_x = np.arange(nd, nd + nx)
+    cols_y = np.arange(nd + nx, nd + nx + ny)
     # Rows 0..nk-1: each cell's shares; rows nk..nk+nd-1: each candidate's work minus replicas.
     rows = np.concatenate(
-        [pair_cell, nk + np.asarray(m.pair_cand, dtype=np.int64), nk + np.arange(nd)]
+        [
+            pair_cell,
+            nk + np.asarray(m.pair_cand, dtype=np.int64),
+            nk + np.arange(nd),
+            np.asarray(m.late_cell[:ny], dtype=np.int64),
+            nk + np.asarray(m.late_cand[:ny], dtype=np.int64),
+        ]
     )
-    cols = np.concatenate([cols_x, cols_x, np.arange(nd)])
-    vals = np.concatenate([np.ones(nx), np.asarray(m.need), -np.ones(nd)])
-    row_lb = np.concatenate([np.full(nk, 1.0 if phase == "all" else 0.0), np.full(nd, -np.inf)])
+    cols = np.concatenate([cols_x, cols_x, np.arange(nd), cols_y, cols_y])
+    vals = np.concatenate(
+        [np.ones(nx), np.asarray(m.need), -np.ones(nd), np.ones(ny), np.asarray(m.late_need[:ny])]
+    )
+    whole = phase == "all" or late  # every request goes somewhere, in time or late
+    row_lb = np.concatenate([np.full(nk, 1.0 if whole else 0.0), np.full(nd, -np.inf)])
     row_ub = np.concatenate([np.ones(nk), np.zeros(nd)])
     # Then a row per pair whose cell costs less in a mix than alone: its share within what the
     # candidate's replicas sustain of that cell by itself.
@@ -291,18 +334,19 @@ def _milp(
         vals = np.concatenate([vals, weight])
         row_lb = np.append(row_lb, served * (1 - SERVED_SLACK))
         row_ub = np.append(row_ub, np.inf)
-    matrix = coo_array((vals, (rows, cols)), shape=(len(row_lb), nd + nx)).tocsr()
-    lower = np.concatenate([np.asarray(m.lower, dtype=float), np.zeros(nx)])
-    upper = np.concatenate([np.asarray(m.upper, dtype=float), np.ones(nx)])
+    nv = nd + nx + ny
+    matrix = coo_array((vals, (rows, cols)), shape=(len(row_lb), nv)).tocsr()
+    lower = np.concatenate([np.asarray(m.lower, dtype=float), np.zeros(nx + ny)])
+    upper = np.concatenate([np.asarray(m.upper, dtype=float), np.ones(nx + ny)])
     if phase == "most":  # a fixed fleet (the upper bounds) serving as much rate as it can
         if fleet is not None:
             upper[:nd] = np.asarray(fleet, dtype=float)
         lower[:nd] = upper[:nd]
-        c = np.concatenate([np.zeros(nd), -weight])
-        integrality = np.zeros(nd + nx)
+        c = np.concatenate([np.zeros(nd), -weight, np.zeros(ny)])
+        integrality = np.zeros(nv)
     else:
-        c = np.concatenate([np.asarray(costs, dtype=float), np.zeros(nx)])
-        integrality = np.concatenate([np.ones(nd), np.zeros(nx)])
+        c = np.concatenate([np.asarray(costs, dtype=float), np.zeros(nx + ny)])
+        integrality = np.concatenate([np.ones(nd), np.zeros(nx + ny)])
     # mip_rel_gap 0: prove the optimum (HiGHS's default stops within 0.01% of it). No presolve:
     # on programs this small it costs more than it saves, and the HiGHS in recent SciPy wheels
     # prints a stray debug line to stdout when it maps a presolved solution back.
@@ -319,7 +363,7 @@ def _milp(
     if res.status != 0 or res.x is None:
         raise ArithmeticError(f"the MILP solver failed: {res.message} (status {res.status})")
     sol = np.asarray(res.x, dtype=np.float64)
-    return sol[:nd], sol[nd:]
+    return sol[:nd], sol[nd : nd + nx], sol[nd + nx :]
 
 
 def _plan(
@@ -327,6 +371,7 @@ def _plan(
     m: _Model,
     x: Sequence[float],
     infeasible: list[int],
+    y: Sequence[float] = (),
 ) -> Plan:
     """The plan from a solver's shares `x` (one per pair of `m`): shares clipped to [0, 1] and
     each cell's renormalised (to 1 when it sums to about 1, else to at most 1); replicas set to
@@ -347,8 +392,13 @@ def _plan(
     need = dict(zip(key, m.need, strict=True))
     alone = dict(zip(key, m.alone, strict=True))
 
+    late = [0.0] * nd  # the work of requests served late (under an attainment target)
+    for p, value in enumerate(y):
+        late[m.late_cand[p]] += min(1.0, max(0.0, float(value))) * m.late_need[p]
+
     def work(d: int) -> float:
-        return math.fsum(share[k][d] * need[k, d] for k in m.cells if (k, d) in need)
+        served = math.fsum(share[k][d] * need[k, d] for k in m.cells if (k, d) in need)
+        return served + late[d]
 
     def widest(d: int) -> float:  # the replicas d's largest share of one cell needs by itself
         return max((share[k][d] * alone[k, d] for k in m.cells if (k, d) in alone), default=0.0)
@@ -394,19 +444,20 @@ def _exempting(plan: Plan) -> Plan:
 
 
 def _cheapest_serving(
-    m: _Model, costs: Sequence[float], rates: Sequence[float], served: float
-) -> tuple[NDArray[np.float64], NDArray[np.float64]] | None:
-    """The cheapest fleet serving at least `served` of the servable rate, with the shares that
-    serve the most it can (the first program may serve a hair less, its slack, or leave out more
-    than it must); None when no fleet within the caps serves that much."""
-    cheapest = _milp(m, costs, rates, phase="cheapest", served=served)
+    m: _Model, costs: Sequence[float], rates: Sequence[float], served: float, late: bool = False
+) -> tuple[NDArray[np.float64], NDArray[np.float64], NDArray[np.float64]] | None:
+    """The cheapest fleet serving at least `served` of the servable rate (`late`: and the rest
+    late, its work counted), with the shares that serve the most it can in time (the first
+    program may serve a hair less, its slack, or leave out more than it must); None when no
+    fleet within the caps does."""
+    cheapest = _milp(m, costs, rates, phase="cheapest", served=served, late=late)
     if cheapest is None:
         return None
     fleet = [
         max(lo, min(hi, round(float(v))))
         for lo, hi, v in zip(m.lower, m.upper, cheapest[0], strict=True)
     ]
-    return _milp(m, costs, rates, phase="most", fleet=fleet) or cheapest
+    return _milp(m, costs, rates, phase="most", fleet=fleet, late=late) or cheapest
 
 
 def solve(problem: Problem) -> Plan:
@@ -429,8 +480,9 @@ def solve(problem: Problem) -> Plan:
     costs = [c.cost for c in cands]
     # The share of the servable rate the target asks for (cells nobody serves count first).
     target = min(1.0, problem.attainment * math.fsum(rates[k] for k in busy) / m.total)
-    if target < 1 and (held := _cheapest_serving(m, costs, rates, target)) is not None:
-        return _exempting(_plan(problem, m, [float(v) for v in held[1]], infeasible))
+    if target < 1 and (held := _cheapest_serving(m, costs, rates, target, late=True)):
+        x, y = [float(v) for v in held[1]], [float(v) for v in held[2]]
+        return _exempting(_plan(problem, m, x, infeasible, y))
     solved = _milp(m, costs, rates, phase="all")
     if solved is None:
         # The caps leave rate unserved: the most the capped fleet can serve, then its cheapest mix.

@@ -21,7 +21,8 @@ What the optimizer service does in production, replayed in simulated time for on
 
 Beside it, the best single GPU type: the same problem solved with one candidate at a time; the
 cheapest that serves every cell the plan serves (a type whose profile has `tputs` 0 for such a
-cell cannot; a cell no type serves is left out of both), run under load-balance. Its cost
+cell cannot; a cell no type serves is left out of both), or under an attainment target all but
+what the target lets it leave out, run under load-balance. Its cost
 against the plan's is what a mixed fleet saves.
 
 The plan is as good as the profiles: a profile built from a finite simulated sweep understates
@@ -152,7 +153,7 @@ class RatePoint:
     plan: Plan
     mixed: FleetRun  # the plan's fleet
     single_costs: dict[str, float | None]  # per GPU type alone: its plan's cost, None: cannot
-    single_gpu: str | None  # the cheapest single type that serves every cell
+    single_gpu: str | None  # the cheapest single type that serves every cell (or the target)
     single: FleetRun | None  # its fleet (load-balance only)
     every: Plan | None = None  # under an attainment target below 1: the plan serving every cell
 
@@ -312,9 +313,12 @@ class ClosedLoop:
         single_plans: dict[str, Plan] = {}
         problem = inputs.problem
         nobody = set(plan.infeasible_cells)  # cells no type serves: unserved by any fleet
+        # A type alone may leave out what the target lets the plan leave out, no more.
+        allowed = (1 - problem.attainment) * math.fsum(problem.rates) * (1 + 1e-9)
         for d, cand in zip(inputs.deployments, problem.candidates, strict=True):
             alone = solve(Problem(problem.rates, (cand,), problem.headroom, problem.attainment))
-            feasible = all(u == 0 or k in nobody for k, u in enumerate(alone.unserved))
+            missed = math.fsum(u for k, u in enumerate(alone.unserved) if k not in nobody)
+            feasible = missed == 0 or missed <= allowed
             single_costs[d.name] = alone.cost if feasible else None
             if feasible:
                 single_plans[d.name] = alone

@@ -235,7 +235,7 @@ async def test_caps_move_traffic_to_the_pricier_type(
     assert a100 == 100 * math.ceil(rest / tput(profiles, A100))
 
 
-async def test_an_attainment_target_buys_for_that_share_and_reports_the_rest(
+async def test_an_attainment_target_reaches_the_plan_and_reports_what_is_late(
     make_harness: MakeHarness, profiles: Path, http: aiohttp.ClientSession
 ) -> None:
     env = {"HETERO_GATEWAY_OPTIMIZER_ATTAINMENT": "0.5", "REDIS_HOST": "127.0.0.1"}
@@ -245,22 +245,21 @@ async def test_an_attainment_target_buys_for_that_share_and_reports_the_rest(
     await h.write_windows(per_window=240)  # 24 req/s
     await h.optimizer.step()
     a100, a40 = tput(profiles, A100), tput(profiles, A40)
-    # The paid-for A100 serves what it can; A40s only up to half the rate, not all of it.
-    expected = max(0, math.ceil((12.0 - a100) / a40))
-    assert expected < math.ceil((24.0 - a100) / a40)
-    assert await replicas_of(http, h.url, A40) == 100 * expected
-    exempt = 24.0 - min(24.0, a100 + expected * a40)
+    # One size both types serve: a request served late takes the same work as one in time, so
+    # the target buys nothing less here (each type's profile charges the cell as it serves it).
+    assert await replicas_of(http, h.url, A40) == 100 * math.ceil((24.0 - a100) / a40)
     async with http.get(f"{h.url}/debug/plan") as resp:
         doc = await resp.json()
     plan = doc["plans"][MODEL]
     assert doc["settings"]["attainment"] == plan["attainment"] == 0.5
     assert plan["status"] == "optimal"
-    assert sum(c["exempt"] for c in plan["cells"]) == pytest.approx(exempt, rel=1e-6)
+    exempt = sum(c["exempt"] for c in plan["cells"])
+    assert 0 <= exempt <= 12.0 + 1e-9
     assert sum(c["unserved"] for c in plan["cells"]) == 0
     async with http.get(f"{h.url}/metrics") as resp:
         own = await resp.text()
     line = next(x for x in own.splitlines() if x.startswith("hetero_optimizer_exempt_rate{"))
-    assert float(line.split()[-1]) == pytest.approx(exempt, rel=1e-6)
+    assert float(line.split()[-1]) == pytest.approx(exempt, abs=1e-9)
 
 
 @pytest.mark.parametrize(

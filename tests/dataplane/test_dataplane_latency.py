@@ -191,8 +191,7 @@ async def test_requests_with_an_slo_count_as_met_or_late(fleet: LocalFleet) -> N
         return sum(
             v
             for k, v in samples.items()
-            if k.startswith("hetero_gateway_slo_requests_total")
-            and repr(("outcome", outcome)) in k
+            if k.startswith("hetero_gateway_slo_requests_total") and repr(("outcome", outcome)) in k
         )
 
     async with aiohttp.ClientSession() as session:

@@ -179,7 +179,10 @@ def check_plan(problem: Problem, plan: Plan) -> float:
     for d, c in enumerate(cands):
         n = plan.replicas[c.name]
         assert load[d] <= n + TOL * max(1.0, n), (c.name, load[d], n)
-        assert plan.load[d] == pytest.approx(load[d], rel=1e-9, abs=1e-12)
+        if any(plan.exempt):  # the work of what is served late is in the load too
+            assert load[d] - 1e-9 <= plan.load[d] <= n + TOL * max(1.0, n)
+        else:
+            assert plan.load[d] == pytest.approx(load[d], rel=1e-9, abs=1e-12)
     return served
 
 
@@ -218,12 +221,51 @@ def test_milp_cost_equals_brute_force_on_200_random_instances() -> None:
     assert statuses["infeasible cells"] >= 5 and statuses["idle"] >= 1, statuses
 
 
+def most_in_time_lp(problem: Problem, fleet: Sequence[int]) -> float | None:
+    """The most rate `fleet` serves within the SLO while every other servable request is served
+    late with its work counted (the module docstring's `y`: a cell's mix work where the candidate
+    serves it, else the candidate's costliest cell with traffic), by scipy's linprog; None when
+    the fleet cannot even take every request."""
+    cells = servable(problem)
+    cands = problem.candidates
+    h = problem.headroom
+    xs = [(i, d) for i, k in enumerate(cells) for d, c in enumerate(cands) if c.tputs[k] > 0]
+    ys = []
+    for d, c in enumerate(cands):
+        costs = [1.0 / c.mix[k] for k in cells if c.tputs[k] > 0]
+        for i, k in enumerate(cells):
+            if costs:
+                per = 1.0 / c.mix[k] if c.tputs[k] > 0 else max(costs)
+                ys.append((i, d, problem.rates[k] * h * per))
+    n = len(xs) + len(ys)
+    a_eq = np.zeros((len(cells), n))
+    a_ub = np.zeros((2 * len(cands) + len(xs), n))
+    for v, (i, d) in enumerate(xs):
+        k = cells[i]
+        a_eq[i, v] = 1.0
+        a_ub[d, v] = problem.rates[k] * h / cands[d].mix[k]
+        a_ub[len(cands) + v, v] = problem.rates[k] * h / cands[d].tputs[k]  # alone
+    for v, (i, d, w) in enumerate(ys, start=len(xs)):
+        a_eq[i, v] = 1.0
+        a_ub[d, v] = w
+    b_ub = np.zeros(a_ub.shape[0])
+    b_ub[: len(cands)] = fleet
+    for v, (_, d) in enumerate(xs):
+        b_ub[len(cands) + v] = fleet[d]
+    gain = np.zeros(n)
+    gain[: len(xs)] = [problem.rates[cells[i]] for i, _ in xs]
+    res = linprog(-gain, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=np.ones(len(cells)), bounds=(0, 1))
+    return None if res.status == 2 else float(-res.fun)
+
+
 def test_an_attainment_target_buys_the_cheapest_fleet_serving_that_share() -> None:
-    """Against the brute force: the cheapest fleet whose most served rate, with cells nobody
-    serves counted as missed, is at least the target's share of all traffic; the rest exempt."""
+    """Against a brute force: the cheapest fleet that takes every request and serves at least
+    the target's share of all traffic within the SLO (cells nobody serves counted as missed),
+    the rest late with its work counted; on that fleet the plan serves the most it can in
+    time."""
     rng = random.Random(20261206)
     seen: Counter[str] = Counter()
-    for trial in range(150):
+    for trial in range(80):
         problem = replace(random_problem(rng), attainment=rng.choice((0.99, 0.95, 0.8, 0.5)))
         plan = solve(problem)
         where = f"instance {trial}: {problem}\n{plan}"
@@ -231,29 +273,35 @@ def test_an_attainment_target_buys_the_cheapest_fleet_serving_that_share() -> No
         cells = servable(problem)
         if not cells:
             continue
-        rates = np.array([problem.rates[k] for k in cells])
-        need = needs(problem, cells)
+        total = sum(problem.rates[k] for k in cells)
+        asked = min(total, problem.attainment * sum(problem.rates))
         bounds = [range(c.min_replicas, (c.max_replicas or 0) + 1) for c in problem.candidates]
-        fleets = np.array(list(itertools.product(*bounds)), dtype=float)
-        costs = fleets @ np.array([c.cost for c in problem.candidates])
-        most = most_served(rates, need, fleets)
-        asked = min(float(rates.sum()), problem.attainment * sum(problem.rates))
-        enough = most >= asked * (1 - 1e-7)
-        if not enough.any():  # the caps fall short of the target: the short plan, as before
-            assert plan.status == "short" or served == pytest.approx(most.max(), rel=1e-6), where
-            seen["short"] += 1
+        fleets = sorted(
+            itertools.product(*bounds),
+            key=lambda f: sum(c.cost * n for c, n in zip(problem.candidates, f, strict=True)),
+        )
+        found = None
+        for fleet in fleets:
+            most = most_in_time_lp(problem, fleet)
+            if most is not None and most >= asked * (1 - 1e-7):
+                found = fleet
+                break
+        if found is None:  # the caps cannot take every request so: the plan as without a target
+            assert plan.status == "short" or sum(plan.exempt) == 0, where
+            seen["fallback"] += 1
             continue
-        cheapest = float(costs[enough].min())
+        cheapest = sum(c.cost * n for c, n in zip(problem.candidates, found, strict=True))
         assert plan.cost == pytest.approx(cheapest, rel=1e-9, abs=1e-9), where
         assert plan.status == "optimal", where
         assert served >= asked * (1 - 1e-6), where
-        # On its fleet the plan serves the most it can: nothing is exempt that fits.
-        mine = np.array([[plan.replicas[c.name] for c in problem.candidates]], dtype=float)
-        assert served == pytest.approx(float(most_served(rates, need, mine)[0]), rel=1e-6), where
-        assert sum(plan.exempt) == pytest.approx(float(rates.sum()) - served, abs=1e-6), where
+        mine = [plan.replicas[c.name] for c in problem.candidates]
+        best = most_in_time_lp(problem, mine)
+        assert best is not None and served == pytest.approx(best, rel=1e-6, abs=1e-9), where
+        assert sum(plan.exempt) == pytest.approx(total - served, abs=1e-6), where
+        # Every request is taken: what is not in time is exempt, and its work is in the load.
         seen["exempt" if sum(plan.exempt) > 0 else "all"] += 1
         seen["cheaper"] += cheapest < brute_force(problem)[0] - 1e-9
-    assert seen["exempt"] >= 20 and seen["cheaper"] >= 10 and seen["short"] >= 5, seen
+    assert seen["exempt"] >= 5 and seen["cheaper"] >= 5 and seen["fallback"] >= 3, seen
 
 
 def test_a_rare_costly_cell_is_left_to_be_served_late_under_a_target() -> None:
