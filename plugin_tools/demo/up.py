@@ -191,6 +191,11 @@ async def up(opts: UpOptions) -> int:
                 "output tokens/s"
             )
         _say(f"  plugin   gRPC 127.0.0.1:{fleet.grpc_port}, metrics {fleet.plugin_url}/metrics")
+        _say(f"  watch it: hetero-gateway top --url {fleet.plugin_url}  (q quits)")
+        _say(
+            "  dashboard and alerts for Grafana and Prometheus: deploy/components/monitoring"
+            " (docs/operations.md)"
+        )
         _say(f"endpoint: http://localhost:{opts.port}  (model {opts.model})")
         if opts.demo_s is None:
             _say(

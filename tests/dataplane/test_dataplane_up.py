@@ -38,6 +38,9 @@ def test_up_demo_writes_the_comparison(tmp_path: Path) -> None:
     )
     assert "least-request" in proc.stdout and "load-balance" in proc.stdout
     assert "plugin CPU per routed request" in proc.stdout
+    # It says how to watch it: the live view and the dashboard that ship.
+    assert "hetero-gateway top --url http://127.0.0.1:" in proc.stderr  # its progress lines
+    assert "deploy/components/monitoring" in proc.stderr
     doc = orjson.loads(out.read_bytes())
     assert set(doc["strategies"]) == {"least-request", "load-balance"}
     for summary in doc["strategies"].values():
