@@ -40,9 +40,10 @@ Corner cases are answered, never dropped:
   target (then, on that fleet, the most it can serve in time). What is left out is in `exempt`:
   those requests are still routed and served late, so they still take their pods' time: each
   is charged to a candidate as the work of its cell in a mix (a share `y_kd`, in each
-  candidate's row beside the `x`s but in no "alone" row), or, on a candidate that never meets
-  the SLO at its size (`tputs` 0, so no figure), as that candidate's costliest cell with
-  traffic. Cells no candidate serves count against the target first; status stays "optimal";
+  candidate's row beside the `x`s but in no "alone" row), on a candidate that never meets the
+  SLO at its size (`tputs` 0) at the profile's estimate (`Candidate.late_tputs`), and not at
+  all where there is none. Cells no candidate serves count against the target first; status
+  stays "optimal";
 - caps that leave too few replicas for the traffic: two phases. Phase 1 (a linear program with
   every candidate at its upper bound) finds the most rate the capped fleet can serve; phase 2 is
   the MILP above with each cell's share allowed below 1, constrained to serve that much, at least
@@ -98,10 +99,17 @@ class Candidate:
     max_replicas: int | None = None  # availability cap (None: unbounded)
     # per cell: req/s the cell counts for inside a mix (>= tputs, 0 where tputs is); None: tputs
     mix_tputs: tuple[float, ...] | None = None
+    # per cell: the same for requests served late under an attainment target (the mix rate
+    # where tputs > 0; where tputs is 0, an estimate, 0: it cannot take them); None: the mix's
+    late_tputs: tuple[float, ...] | None = None
 
     @property
     def mix(self) -> tuple[float, ...]:
         return self.tputs if self.mix_tputs is None else self.mix_tputs
+
+    @property
+    def late(self) -> tuple[float, ...]:
+        return self.mix if self.late_tputs is None else self.late_tputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +192,15 @@ def validate(problem: Problem) -> None:
                         f"{who}: mix_tputs[{k}] = {mix!r}: must be a finite number >= tputs[{k}]"
                         " (0 where tputs is 0)"
                     )
+        if cand.late_tputs is not None:
+            if len(cand.late_tputs) != cells:
+                raise _fail(f"{who}: late_tputs has {len(cand.late_tputs)} cells, not {cells}")
+            for k, (mix, late) in enumerate(zip(cand.mix, cand.late_tputs, strict=True)):
+                if not (_finite_nonneg(late) and (late == mix if mix > 0 else True)):
+                    raise _fail(
+                        f"{who}: late_tputs[{k}] = {late!r}: must be a finite number >= 0,"
+                        f" equal to the mix rate ({mix!r}) where that is above 0"
+                    )
         if not (_is_int(cand.min_replicas) and cand.min_replicas >= 0):
             raise _fail(f"{who}: min_replicas = {cand.min_replicas!r}: must be an integer >= 0")
         cap = cand.max_replicas
@@ -253,21 +270,19 @@ def _model(problem: Problem, cells: list[int]) -> _Model:
 
 
 def _late_pairs(problem: Problem, m: _Model) -> None:
-    """The y variables: a request served late still takes its pod's time. Where the candidate
-    serves its cell at all, at what the cell costs in a mix; where it never meets the SLO there
-    (`tputs` 0), the profile has no figure, and it is charged as the candidate's costliest cell
-    with traffic (a floor: a longer prompt costs more)."""
+    """The y variables: a request served late still takes its pod's time, what its cell costs
+    in a mix (`Candidate.late`: where the candidate never meets the SLO at that size, the
+    profile's estimate, `plugin.core.profile.late_rates`; a candidate with none for a cell
+    cannot take that cell's requests, late or not)."""
     for d, cand in enumerate(problem.candidates):
-        costs = [1.0 / cand.mix[k] for k in m.cells if cand.tputs[k] > 0]
-        if not costs:
-            continue
-        costliest = max(costs)
         work = 0.0
         for i, k in enumerate(m.cells):
-            per_request = 1.0 / cand.mix[k] if cand.tputs[k] > 0 else costliest
+            rate = cand.late[k]
+            if rate <= 0:
+                continue
             m.late_cell.append(i)
             m.late_cand.append(d)
-            m.late_need.append(problem.rates[k] * problem.headroom * per_request)
+            m.late_need.append(problem.rates[k] * problem.headroom / rate)
             work += m.late_need[-1]
         # Every request on this candidate, late where it cannot be in time: no plan needs more.
         bound = max(m.upper[d], math.ceil(work))

@@ -49,6 +49,7 @@ __all__ = [
     "ProfileBook",
     "ProfiledRoute",
     "beyond_grid",
+    "late_rates",
     "mix_rates",
     "nearest_tick",
     "parse_profile",
@@ -85,9 +86,12 @@ class GpuProfile:
     e2e_idle: Grid | None = None
     # [out][in] req/s the cell's requests count for inside a mix (module doc); derived.
     mix_tputs: Grid = field(init=False, repr=False, compare=False)
+    # [out][in] the same for requests served late, beyond the SLO (`late_rates`); derived.
+    late_tputs: Grid = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mix_tputs", mix_rates(self.tputs, self.in_ticks))
+        object.__setattr__(self, "late_tputs", late_rates(self.mix_tputs, self.in_ticks))
 
     def to_json(self) -> dict[str, Any]:
         """The document AIBrix writes (same keys, same order), then `e2e_idle` when known."""
@@ -183,6 +187,24 @@ def mix_rates(tputs: Grid, in_ticks: Sequence[int]) -> Grid:
                 rate = max(tput, mixed[j - 1] * in_ticks[j - 1] / in_ticks[j])
             mixed.append(rate)
         rows.append(tuple(mixed))
+    return tuple(rows)
+
+
+def late_rates(mix: Grid, in_ticks: Sequence[int]) -> Grid:
+    """What a cell counts for inside a mix when its requests are served late (the optimizer's
+    attainment target): `mix_tputs` where the GPU type serves the cell within the SLO; where it
+    never does (0), the same bound carried on up the input axis, the rate of the cell one input
+    tick smaller divided by the ticks' ratio (its prefill grows with the prompt; the engine
+    still does the work, only later than the SLO). 0 where no smaller prompt of the same output
+    is served at all: nothing to go by."""
+    rows = []
+    for row in mix:
+        late: list[float] = []
+        for j, rate in enumerate(row):
+            if rate <= 0 and j > 0 and late[j - 1] > 0:
+                rate = late[j - 1] * in_ticks[j - 1] / in_ticks[j]
+            late.append(rate)
+        rows.append(tuple(late))
     return tuple(rows)
 
 

@@ -173,6 +173,7 @@ def build_problem(
         profile = profiles[d.name]
         tputs = tuple(profile.tputs[key[k][0]][key[k][1]] for key, _ in ordered)
         mix = tuple(profile.mix_tputs[key[k][0]][key[k][1]] for key, _ in ordered)
+        late = tuple(profile.late_tputs[key[k][0]][key[k][1]] for key, _ in ordered)
         cap = caps.get(d.key, caps.get(d.name))
         candidates.append(
             Candidate(
@@ -180,6 +181,7 @@ def build_problem(
                 cost=profile.cost,
                 tputs=tputs,
                 mix_tputs=mix,
+                late_tputs=late,
                 min_replicas=d.min_replicas if cap is None else min(d.min_replicas, cap),
                 max_replicas=cap,
             )

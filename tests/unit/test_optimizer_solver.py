@@ -223,20 +223,18 @@ def test_milp_cost_equals_brute_force_on_200_random_instances() -> None:
 
 def most_in_time_lp(problem: Problem, fleet: Sequence[int]) -> float | None:
     """The most rate `fleet` serves within the SLO while every other servable request is served
-    late with its work counted (the module docstring's `y`: a cell's mix work where the candidate
-    serves it, else the candidate's costliest cell with traffic), by scipy's linprog; None when
-    the fleet cannot even take every request."""
+    late with its work counted (the module docstring's `y`: at `Candidate.late`, nowhere it is
+    0), by scipy's linprog; None when the fleet cannot even take every request."""
     cells = servable(problem)
     cands = problem.candidates
     h = problem.headroom
     xs = [(i, d) for i, k in enumerate(cells) for d, c in enumerate(cands) if c.tputs[k] > 0]
-    ys = []
-    for d, c in enumerate(cands):
-        costs = [1.0 / c.mix[k] for k in cells if c.tputs[k] > 0]
-        for i, k in enumerate(cells):
-            if costs:
-                per = 1.0 / c.mix[k] if c.tputs[k] > 0 else max(costs)
-                ys.append((i, d, problem.rates[k] * h * per))
+    ys = [
+        (i, d, problem.rates[k] * h / c.late[k])
+        for d, c in enumerate(cands)
+        for i, k in enumerate(cells)
+        if c.late[k] > 0
+    ]
     n = len(xs) + len(ys)
     a_eq = np.zeros((len(cells), n))
     a_ub = np.zeros((2 * len(cands) + len(xs), n))
@@ -265,8 +263,23 @@ def test_an_attainment_target_buys_the_cheapest_fleet_serving_that_share() -> No
     time."""
     rng = random.Random(20261206)
     seen: Counter[str] = Counter()
-    for trial in range(80):
+    for trial in range(160):
         problem = replace(random_problem(rng), attainment=rng.choice((0.99, 0.95, 0.8, 0.5)))
+        # Some candidates estimate what the sizes they never serve in time cost late.
+        problem = replace(
+            problem,
+            candidates=tuple(
+                replace(
+                    c,
+                    late_tputs=tuple(
+                        t or rng.choice((0.0, rng.uniform(0.2, 2.0))) for t in c.tputs
+                    ),
+                )
+                if rng.random() < 0.6
+                else c
+                for c in problem.candidates
+            ),
+        )
         plan = solve(problem)
         where = f"instance {trial}: {problem}\n{plan}"
         served = check_plan(problem, plan)
@@ -304,21 +317,29 @@ def test_an_attainment_target_buys_the_cheapest_fleet_serving_that_share() -> No
     assert seen["exempt"] >= 5 and seen["cheaper"] >= 5 and seen["fallback"] >= 3, seen
 
 
-def test_a_rare_costly_cell_is_left_to_be_served_late_under_a_target() -> None:
+def test_a_rare_costly_cell_is_served_late_where_its_work_fits() -> None:
     # 99 req/s of short requests an l20 serves at 10 each; 1 req/s of long ones only an a100
-    # serves. Every request within the SLO: an a100 (the long ones and 10 req/s of the short) and
-    # 9 l20, $12. 99% of them: 10 l20, $10.
-    problem = Problem(
-        (99.0, 1.0), (cand("ns/l20", 1.0, 10.0, 0.0), cand("ns/a100", 3.0, 20.0, 2.0))
-    )
+    # serves in time, 2 per replica. Every request in time: an a100 (the long ones and 10 req/s
+    # of the short) and 9 l20, $12.
+    l20 = Candidate("ns/l20", 1.0, (10.0, 0.0), late_tputs=(10.0, 10.0))
+    problem = Problem((99.0, 1.0), (l20, cand("ns/a100", 3.0, 20.0, 2.0)))
     assert solve(problem).replicas == {"ns/l20": 9, "ns/a100": 1}
+    # 99% in time: the long ones late on the l20s, each charged its estimate (a tenth of an
+    # l20, as a short one): 9.9 + 0.1 replicas, $10.
     held = replace(problem, attainment=0.99)
     plan = solve(held)
     assert plan.replicas == {"ns/l20": 10, "ns/a100": 0}
     assert plan.exempt == (0.0, 1.0) and plan.unserved == (0.0, 0.0)
+    assert plan.load[0] == pytest.approx(10.0)  # the late work is in the load
     assert plan.status == "optimal"
     check_plan(held, plan)
-    # 99.5%: half the long cell at least, so the a100 again.
+    # Costlier late (half an l20 each): 9.9 + 0.5 needs 11 l20, still less than the a100.
+    dear = replace(held, candidates=(replace(l20, late_tputs=(10.0, 2.0)), problem.candidates[1]))
+    assert solve(dear).replicas == {"ns/l20": 11, "ns/a100": 0}
+    # No estimate for the long size on the l20: it cannot take them, late or not.
+    blind = replace(held, candidates=(replace(l20, late_tputs=None), problem.candidates[1]))
+    assert solve(blind).replicas == {"ns/l20": 9, "ns/a100": 1}
+    # 99.5%: half the long cell at least in time, so the a100 again.
     tighter = replace(problem, attainment=0.995)
     assert solve(tighter).replicas == {"ns/l20": 9, "ns/a100": 1}
 

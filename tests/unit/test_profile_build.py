@@ -192,3 +192,21 @@ def test_a_long_prompt_counts_in_a_mix_as_at_most_its_share_of_shorter_ones() ->
     assert parse_profile(json.loads(json.dumps(doc))).mix_tputs == profile.mix_tputs
     cheaper = dataclasses.replace(profile, tputs=((20.0, 11.0, 2.0, 0.5), (8.0, 4.0, 1.0, 0.25)))
     assert cheaper.mix_tputs[1] == (8.0, 4.0, 2.0, 1.0)
+
+
+def test_a_size_never_served_in_time_costs_late_what_its_prompt_scales_to() -> None:
+    # Output 4: the 512 and 1024 prompts never meet the SLO (0); served late they cost what
+    # the 256 cell does in a mix, times the prompts' ratio. Output 64: the 256 cell is not
+    # served (late: half the 128's rate), the 512 is (its own), the 1024 not (half the 512's).
+    # A row with nothing served in time below a size has no estimate (0).
+    tputs = ((20.0, 11.0, 0.0, 0.0), (8.0, 0.0, 1.0, 0.0), (0.0, 0.0, 3.0, 1.0))
+    profile = GpuProfile("g", 1.0, (4, 64, 512), (128, 256, 512, 1024), tputs, 0.0)
+    assert profile.late_tputs == (
+        (20.0, 11.0, 5.5, 2.75),
+        (8.0, 4.0, 1.0, 0.5),
+        (0.0, 0.0, 3.0, 1.5),
+    )
+    # Where the type serves the size in time, late costs what it costs in a mix.
+    for late_row, mix_row in zip(profile.late_tputs, profile.mix_tputs, strict=True):
+        assert all(late == mix for late, mix in zip(late_row, mix_row, strict=True) if mix > 0)
+    assert "late_tputs" not in profile.to_json()
