@@ -39,6 +39,9 @@ from plugin.core.types import Pod
 from plugin.errors import ConfigError, ShuttingDown
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from plugin.adapters.otel import RequestSpans
     from plugin.adapters.redis_state import RedisState
     from plugin.adapters.tracing import TraceFlusher
 
@@ -177,6 +180,7 @@ class Gateway:
             lock=HeaderLock(settings.client_headers, settings.denied_header_action),
             # Without Redis replicas cannot hand counts over: no name, no lease header to take.
             gateway_id="" if settings.redis is None else settings.redis.gateway_id,
+            otel=self._otel_spans(settings.otel),
         )
         self.scraper = MetricsScraper(
             self.pool,
@@ -332,6 +336,17 @@ class Gateway:
             self.http_port,
         )
 
+    def _otel_spans(self, on: bool) -> RequestSpans | None:
+        """OpenTelemetry's request spans, exported over OTLP, when HETERO_GATEWAY_OTEL is on
+        (the `otel` extra; config checked it is installed)."""
+        self._otel_provider: TracerProvider | None = None
+        if not on:
+            return None
+        from plugin.adapters.otel import RequestSpans, otlp_provider
+
+        self._otel_provider = otlp_provider()
+        return RequestSpans(self._otel_provider)
+
     def _background(self, work: Coroutine[Any, Any, None], what: str) -> None:
         """Run a loop that should live as long as the gateway; if it dies, say so loudly."""
 
@@ -373,6 +388,8 @@ class Gateway:
             await self.shared.close()
         if self.tracer is not None:  # after the drain: the last responses are in its window
             await self.tracer.close()
+        if self._otel_provider is not None:  # the last spans, exported before the exit
+            await asyncio.to_thread(self._otel_provider.shutdown)
         if self.profile_loader is not None:
             await self.profile_loader.close()
         if self._runner is not None:

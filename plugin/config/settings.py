@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from plugin.config.variables import (
     OPTIMIZER_MAX_REPLICAS,
     OPTIMIZER_PORT,
     OPTIMIZER_SCALE_DOWN_WINDOWS,
+    OTEL,
     PC_BLOCK_NUMBER,
     PC_BLOCK_SIZE,
     POD_NAME,
@@ -144,6 +146,7 @@ class Settings:
     profile_dir: str | None = PROFILE_DIR.default
     redis: RedisSettings | None = None  # None: state stays in this process
     tracing: bool = TRACING.default  # request traces for the GPU optimizer (needs redis)
+    otel: bool = OTEL.default  # OpenTelemetry spans per request (the `otel` extra)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
 
     @property
@@ -220,6 +223,15 @@ def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
         scale_down_windows=OPTIMIZER_SCALE_DOWN_WINDOWS.read(env),
         max_replicas=dict(OPTIMIZER_MAX_REPLICAS.read(env)),
     )
+
+
+def _otel(env: Mapping[str, str]) -> bool:
+    on = OTEL.read(env)
+    if on and importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise ConfigError(
+            f"{OTEL.name}=true needs OpenTelemetry: pip install 'hetero-gateway[otel]'"
+        )
+    return on
 
 
 def _tracing(env: Mapping[str, str], redis: RedisSettings | None) -> bool:
@@ -311,5 +323,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         profile_dir=PROFILE_DIR.read(env),
         redis=(redis := _redis_settings(env)),
         tracing=_tracing(env, redis),
+        otel=_otel(env),
         optimizer=_optimizer_settings(env),
     )

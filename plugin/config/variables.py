@@ -424,6 +424,15 @@ SHARED_PREFIX_INDEX: Var[bool] = Var(
     " replica routes it. `false`: each replica learns only what it routed.",
     also="needs `REDIS_HOST`",
 )
+OTEL: Var[bool] = Var(
+    "HETERO_GATEWAY_OTEL",
+    Bool(),
+    False,
+    "OpenTelemetry spans per request (decision, queue wait, upstream; a client's `traceparent`"
+    " honoured and passed on), exported over OTLP as the standard `OTEL_EXPORTER_OTLP_*`"
+    " variables say.",
+    also="needs the `otel` extra",
+)
 TRACING: Var[bool] = Var(
     "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG",
     Bool(),
@@ -533,6 +542,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     SHARED_SCRAPE,
     SHARED_PREFIX_INDEX,
     TRACING,
+    OTEL,
     OPTIMIZER_PORT,
     OPTIMIZER_LOOKBACK_S,
     OPTIMIZER_HEADROOM,

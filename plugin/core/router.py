@@ -23,6 +23,7 @@ import dataclasses
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
@@ -131,6 +132,8 @@ class Decision:
     routed_at: float = 0.0
     expected_e2e_s: float | None = None  # the profile's prediction, when a strategy made one
     profiled: ProfiledRoute | None = None  # where it sits in its GPU profile (SLO strategies)
+    # The adapter's OpenTelemetry spans of this request (`plugin.adapters.otel`), opaque here.
+    spans: Any = None
 
 
 class Waiter:

@@ -316,6 +316,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "AIBRIX_GPU_OPTIMIZER_TRACING_FLAG": ("maybe", "2"),
     "HETERO_GATEWAY_SHARED_SCRAPE": ("maybe", "2"),
     "HETERO_GATEWAY_SHARED_PREFIX_INDEX": ("maybe", "2"),
+    "HETERO_GATEWAY_OTEL": ("maybe", "2"),
     "HETERO_GATEWAY_OPTIMIZER_PORT": ("-1", "65536"),
     "HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S": ("5", "610", "1.5"),
     "HETERO_GATEWAY_OPTIMIZER_HEADROOM": ("0.99", "nan", "x"),
@@ -600,3 +601,20 @@ def test_the_imbalance_gate_is_capacity_aware_by_default_and_can_be_aibrix_s_or_
     ).imbalance
     assert raw is not None and not raw.capacity_aware and (raw.min_gap, raw.factor) == (4, 1.5)
     assert load_settings({"HETERO_GATEWAY_IMBALANCE_GATE": "off"}).imbalance is None
+
+
+def test_otel_without_its_extra_stops_start_up_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def missing(name: str, *args: Any) -> Any:
+        return None if name.startswith("opentelemetry") else real(name, *args)
+
+    assert load_settings({"HETERO_GATEWAY_OTEL": "true"}).otel is True  # installed here
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    with pytest.raises(ConfigError, match=r"HETERO_GATEWAY_OTEL=true needs OpenTelemetry: pip"):
+        load_settings({"HETERO_GATEWAY_OTEL": "true"})
+    assert load_settings({}).otel is False

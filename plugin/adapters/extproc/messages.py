@@ -51,6 +51,8 @@ _WANTED = frozenset(
         SLO_TTFT_HEADER,
         SLO_TPOT_HEADER,
         EXTERNAL_FILTER_HEADER,
+        "traceparent",  # W3C trace context, read when OpenTelemetry spans are on
+        "tracestate",
     }
 )
 

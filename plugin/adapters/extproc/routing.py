@@ -47,7 +47,8 @@ from plugin.errors import (
     UnknownModel,
 )
 
-if TYPE_CHECKING:  # imported by `serve` only when tracing is on
+if TYPE_CHECKING:  # imported by `serve` only when tracing (or OpenTelemetry) is on
+    from plugin.adapters.otel import RequestSpans, SpanSet
     from plugin.adapters.tracing import TraceRecorder
 
 
@@ -95,9 +96,11 @@ class RoutingProcessor:
         "_headers",
         "_lock",
         "_max_headers",
+        "_otel",
         "_passthrough",
         "_profile",
         "_router",
+        "_spans",
         "_strips_usage",
         "_tokens",
         "_tracer",
@@ -115,8 +118,11 @@ class RoutingProcessor:
         auth: BearerToken | None = None,
         strips_usage: bool = False,
         lock: HeaderLock | None = None,
+        otel: RequestSpans | None = None,
     ) -> None:
         self._router = router
+        self._otel = otel  # set: OpenTelemetry spans per request
+        self._spans: SpanSet | None = None
         self._lock = lock or HeaderLock()  # the routing headers clients may not send
         self._errors = errors
         # Envoy takes usage-only chunks out of marked streams: a stream that did not ask for
@@ -158,6 +164,9 @@ class RoutingProcessor:
 
     def _fail(self, err: RequestError) -> pb.ProcessingResponse:
         self._errors.add(err)
+        if self._spans is not None:
+            self._spans.failed(type(err).__name__, err.message, err.status)
+            self._spans = None
         log.debug("request error %s: %s", type(err).__name__, err.message)
         return immediate_response(err)
 
@@ -183,6 +192,8 @@ class RoutingProcessor:
         if path not in LLM_PATHS:
             self._passthrough = True
             return _CONTINUE_REQUEST_HEADERS
+        if self._otel is not None:
+            self._spans = self._otel.start(headers)
         if method != "POST":
             return self._fail(MethodNotAllowed(method, path))
         # Envoy refuses a mutation that takes the request over its header count limit, with an
@@ -193,6 +204,7 @@ class RoutingProcessor:
             + ("x-request-id" not in headers)
             + (CONFIG_PROFILE_HEADER in headers)
             + (self._handoff is not None)
+            + (self._otel is not None)  # traceparent
         )
         count = len(msg.headers.headers)
         if count - steering + added > self._max_headers:
@@ -208,6 +220,8 @@ class RoutingProcessor:
         if not msg.end_of_stream:
             return _CONTINUE_REQUEST_BODY  # BUFFERED sends one message; be safe with more
         started = time.perf_counter()
+        if self._spans is not None:
+            self._spans.deciding()
         body = b"".join(self._body_parts)
         self._body_parts = []
         headers = self._headers
@@ -239,6 +253,8 @@ class RoutingProcessor:
         if self._strips_usage and request.stream and headers.get(":path") in USAGE_OPTION_PATHS:
             self._usage_body = with_usage_requested(body, request)
         if isinstance(outcome, Waiter):
+            if self._spans is not None:
+                self._spans.held()
             return self._held(outcome)
         return self._routed(outcome)
 
@@ -274,9 +290,15 @@ class RoutingProcessor:
             return self._fail(err)
         finally:
             waiter.cancel()  # a no-op once the decision is taken
-        return self._routed(decision)
+        return self._routed(decision, held=True)
 
-    def _routed(self, decision: Decision) -> pb.ProcessingResponse:
+    def _routed(self, decision: Decision, held: bool = False) -> pb.ProcessingResponse:
+        traced: list[pb.HeaderValueOption] = []
+        if self._spans is not None:  # the upstream request carries the gateway's span
+            traceparent = self._spans.routed(decision, held)
+            decision = dataclasses.replace(decision, spans=self._spans)
+            self._spans = None  # the decision's now: whichever stream ends the lease ends them
+            traced.append(_header("traceparent", traceparent))
         if self._tracer is not None:
             self._tracer.started(decision.request.model, decision.request.arrived_at)
         endpoint = decision.lease.pod.endpoint
@@ -299,6 +321,7 @@ class RoutingProcessor:
                 _header("routing-strategy", decision.strategy),
                 _header("x-request-id", decision.request.request_id),
                 _header(PROMPT_TOKENS_HEADER, str(decision.request.prompt_tokens)),
+                *traced,
             ]
         )
         if self._handoff is not None:

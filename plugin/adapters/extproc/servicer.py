@@ -18,7 +18,8 @@ from plugin.config import ENVOY_MAX_MESSAGE_TIMEOUT_S
 from plugin.core.auth import BearerToken
 from plugin.core.router import Router
 
-if TYPE_CHECKING:  # imported by `serve` only when tracing is on
+if TYPE_CHECKING:  # imported by `serve` only when tracing (or OpenTelemetry) is on
+    from plugin.adapters.otel import RequestSpans
     from plugin.adapters.tracing import TraceRecorder
 
 
@@ -39,6 +40,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         auth: BearerToken | None = None,
         lock: HeaderLock | None = None,
         gateway_id: str = "",
+        otel: RequestSpans | None = None,
     ) -> None:
         """`tracer`, when tracing is on, hears of every request's arrival, routing, end and
         reported size (a dict increment each); `auth`, when set, is the bearer token every
@@ -49,6 +51,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.auth = auth
         self.lock = lock or HeaderLock()
         self.tracer = tracer
+        self.otel = otel  # OpenTelemetry spans per request, when on
         self.errors = ErrorCounts()
         self.max_headers = max_headers
         # Sent before a held request's wait: Envoy then waits this long for the body reply
@@ -73,6 +76,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.auth,
             strips_usage,
             self.lock,
+            self.otel,
         )
 
     async def Process(

@@ -183,6 +183,8 @@ def _finish(
     request = decision.request
     router.completed(request.model, request.prompt_tokens, output, status)
     router.finished(decision, status, tokens.felt)
+    if decision.spans is not None:  # OpenTelemetry's, when on (`plugin.adapters.otel`)
+        decision.spans.ended(status, output, tokens.felt)
     if tracer is not None:
         tracer.ended(request.model, request.arrived_at)
         _trace_completed(tracer, request.model, tokens, request.prompt_tokens, output)
