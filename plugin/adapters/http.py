@@ -155,7 +155,8 @@ def latency_families(view: LatencyView) -> Iterator[Metric]:
     for attr, name, what in _LATENCY_FAMILIES:
         family = HistogramMetricFamily(name, what, labels=labels)
         for key, pod in sorted(latency.pods.items()):
-            _add(family, [key, pod.model, pod.deployment], getattr(pod, attr))
+            name = key if latency.per_pod else ""
+            _add(family, [name, pod.model, pod.deployment], getattr(pod, attr))
         yield family
 
 

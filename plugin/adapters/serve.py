@@ -156,6 +156,7 @@ class Gateway:
         # What the core says an operator should hear (a request beyond a GPU profile's grid, a
         # profile cell off from served traffic), logged here: the core does no I/O.
         self.router.on_warning = _log_warning
+        self.router.latency.per_pod = settings.pod_latency
         # Request traces for the GPU optimizer: counted on the request path, written to Redis
         # every 10 s by a background task (the flag without Redis stops start-up in config).
         self.tracer: TraceFlusher | None = None

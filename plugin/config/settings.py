@@ -50,6 +50,7 @@ from plugin.config.variables import (
     OTEL,
     PC_BLOCK_NUMBER,
     PC_BLOCK_SIZE,
+    POD_LATENCY,
     POD_NAME,
     POD_NAMESPACE,
     PODS_FILE,
@@ -147,6 +148,7 @@ class Settings:
     redis: RedisSettings | None = None  # None: state stays in this process
     tracing: bool = TRACING.default  # request traces for the GPU optimizer (needs redis)
     otel: bool = OTEL.default  # OpenTelemetry spans per request (the `otel` extra)
+    pod_latency: bool = POD_LATENCY.default  # latency histograms per pod (else per GPU type)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
 
     @property
@@ -324,5 +326,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         redis=(redis := _redis_settings(env)),
         tracing=_tracing(env, redis),
         otel=_otel(env),
+        pod_latency=POD_LATENCY.read(env),
         optimizer=_optimizer_settings(env),
     )

@@ -424,6 +424,14 @@ SHARED_PREFIX_INDEX: Var[bool] = Var(
     " replica routes it. `false`: each replica learns only what it routed.",
     also="needs `REDIS_HOST`",
 )
+POD_LATENCY: Var[bool] = Var(
+    "HETERO_GATEWAY_POD_LATENCY",
+    Bool(),
+    True,
+    "The latency histograms (TTFT, TPOT, E2E, output tokens) per pod; `false`: per model and"
+    " GPU type only (an empty `pod` label), 4 histograms a GPU type instead of a pod, for fleets"
+    " of thousands of pods.",
+)
 OTEL: Var[bool] = Var(
     "HETERO_GATEWAY_OTEL",
     Bool(),
@@ -543,6 +551,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     SHARED_PREFIX_INDEX,
     TRACING,
     OTEL,
+    POD_LATENCY,
     OPTIMIZER_PORT,
     OPTIMIZER_LOOKBACK_S,
     OPTIMIZER_HEADROOM,

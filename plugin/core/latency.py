@@ -120,11 +120,16 @@ class SloOutcomes:
 
 
 class ClientLatency:
-    """Every pod's `PodLatency`, by pod key; a pod's entry is made on its first response."""
+    """Every pod's `PodLatency`, by pod key; a pod's entry is made on its first response.
 
-    __slots__ = ("pods",)
+    `per_pod` False keeps one entry per model and deployment instead (key `model deployment`,
+    exported with an empty `pod` label): 4 histograms a GPU type rather than a pod, for fleets
+    of thousands of pods. Such entries outlive the pods (`forget` is by pod key)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("per_pod", "pods")
+
+    def __init__(self, per_pod: bool = True) -> None:
+        self.per_pod = per_pod
         self.pods: dict[str, PodLatency] = {}
 
     def observe(
@@ -140,6 +145,8 @@ class ClientLatency:
     ) -> Felt:
         """A response of `output_tokens` ended at `ended`; `first`/`last`: its first and last
         SSE data events (None for a response without any). Times in seconds, one clock."""
+        if not self.per_pod:
+            key = f"{model} {deployment}"
         pod = self.pods.get(key)
         if pod is None:
             pod = self.pods[key] = PodLatency(model, deployment)

@@ -13,10 +13,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.http import GatewayCollector, LatencyView
@@ -27,7 +29,7 @@ from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import DECISION_BUCKETS_S, ClientLatency, Histogram, SloOutcomes
 from plugin.core.pool import PodPool
 from plugin.core.router import PredictionStats, WaitStats
-from tests.helpers import REPO, make_pod
+from tests.helpers import REPO, StartGateway, make_pod, write_pods_file
 
 pytestmark = pytest.mark.component
 
@@ -165,3 +167,23 @@ def test_promtool_accepts_every_dashboard_query(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules)} rules found" in done.stdout
+
+
+@pytest.mark.parametrize("per_pod", [True, False])
+async def test_the_per_pod_switch_reaches_a_running_gateways_metrics(
+    per_pod: bool, tmp_path: Path, start_gateway: StartGateway, http: aiohttp.ClientSession
+) -> None:
+    pod = make_pod("a100-0", deployment="a100")
+    gateway = await start_gateway(
+        write_pods_file(tmp_path / "pods.yaml", [pod]),
+        {"HETERO_GATEWAY_POD_LATENCY": str(per_pod).lower()},
+    )
+    gateway.router.latency.observe(pod.key, pod.model, "a100", 0.0, 0.1, 0.5, 0.6, 5)
+    async with http.get(f"http://127.0.0.1:{gateway.http_port}/metrics") as resp:
+        text = await resp.text()
+    ttft = next(
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "hetero_gateway_time_to_first_token_seconds"
+    )
+    assert {s.labels["pod"] for s in ttft.samples} == {pod.key if per_pod else ""}

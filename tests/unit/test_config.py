@@ -317,6 +317,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_SHARED_SCRAPE": ("maybe", "2"),
     "HETERO_GATEWAY_SHARED_PREFIX_INDEX": ("maybe", "2"),
     "HETERO_GATEWAY_OTEL": ("maybe", "2"),
+    "HETERO_GATEWAY_POD_LATENCY": ("maybe", "2"),
     "HETERO_GATEWAY_OPTIMIZER_PORT": ("-1", "65536"),
     "HETERO_GATEWAY_OPTIMIZER_LOOKBACK_S": ("5", "610", "1.5"),
     "HETERO_GATEWAY_OPTIMIZER_HEADROOM": ("0.99", "nan", "x"),

@@ -7,8 +7,16 @@ import orjson
 import pytest
 
 from plugin.adapters.extproc import ChunkGaps, ResponseTokens
+from plugin.adapters.http import LatencyView, latency_families
 from plugin.core.capacity import CapacityEstimator
-from plugin.core.latency import TPOT_BUCKETS_S, TTFT_BUCKETS_S, ClientLatency, Histogram
+from plugin.core.latency import (
+    DECISION_BUCKETS_S,
+    TPOT_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    ClientLatency,
+    Histogram,
+    SloOutcomes,
+)
 from plugin.core.pool import PodPool
 from tests.helpers import make_pod
 
@@ -109,3 +117,16 @@ def test_a_stream_without_usage_counts_its_events() -> None:
     pod = latency.pods[POD.key]
     assert pod.tokens.total == 5
     assert pod.tpot.total == pytest.approx(0.1)
+
+
+def test_per_gpu_type_only_keeps_one_entry_a_deployment_with_an_empty_pod_label() -> None:
+    latency = ClientLatency(per_pod=False)
+    for pod in ("ns/a100-0", "ns/a100-1"):
+        latency.observe(pod, "m", "a100", 0.0, 0.2, 1.2, 1.3, 11)
+    latency.forget(["ns/a100-0"])  # a pod leaving does not reset its GPU type's counts
+    (entry,) = latency.pods.values()
+    assert entry.ttft.count == 2 and entry.tpot.total == pytest.approx(0.2)
+    families = latency_families(LatencyView(latency, Histogram(DECISION_BUCKETS_S), SloOutcomes()))
+    ttft = next(f for f in families if f.name == "hetero_gateway_time_to_first_token_seconds")
+    assert {s.labels["pod"] for s in ttft.samples} == {""}
+    assert {s.labels["deployment"] for s in ttft.samples} == {"a100"}
