@@ -73,9 +73,9 @@ class SpanSet:
             self._decision = None
         self._queue = self._child("queue wait")
 
-    def routed(self, decision: Decision, waited: bool) -> str:
+    def routed(self, decision: Decision, waited: bool) -> str | None:
         """Routed: the decision (or the wait) ends, `upstream` starts; its `traceparent`, for
-        the request Envoy sends on."""
+        the request Envoy sends on (None when the SDK writes none: OTEL_SDK_DISABLED)."""
         for span in (self._decision, self._queue):
             if span is not None:
                 span.set_attribute(PREFIX + "outcome", "routed")
@@ -98,7 +98,7 @@ class SpanSet:
         )
         carrier: dict[str, str] = {}
         _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(self.upstream))
-        return carrier["traceparent"]
+        return carrier.get("traceparent")
 
     def failed(self, error_type: str, message: str, status: int) -> None:
         """Answered by the gateway itself (rejected, malformed, no pod): every span ends."""
@@ -112,6 +112,12 @@ class SpanSet:
         )
         self.root.set_status(Status(StatusCode.ERROR, message))
         self.root.end()
+
+    def handed_off(self) -> None:
+        """The lease ended without this replica seeing the response (another replica's
+        counting stream took it over, or none claimed it): the spans end here, said so."""
+        self.root.set_attribute(PREFIX + "counted_elsewhere", True)
+        self.ended(0, 0, None)
 
     def ended(self, status: int, output_tokens: int, felt: Felt | None) -> None:
         """The response ended (or was cut)."""

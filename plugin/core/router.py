@@ -361,7 +361,7 @@ class Router:
         target = request.slo
         if target is None and profiled is not None:
             target = SloTarget.from_slos(profiled.profile.slos)
-        if target is not None and felt is not None and status == 200:
+        if target is not None and target.slos() and felt is not None and status == 200:
             met = felt.met(target, request.prompt_tokens)
             pod = decision.lease.pod
             self.slo_outcomes.count(pod.model, pod.deployment or "", "met" if met else "late")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import http.client
 import math
 import os
 import select
@@ -25,6 +26,8 @@ from plugin_tools.top.view import Snapshot, View, parse_snapshot, view
 __all__ = ["run"]
 
 TIMEOUT_S = 2.0
+# A plugin that does not answer, or answers something that is not its pages: shown, not fatal.
+_READ_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException, ValueError)
 
 
 def read(url: str) -> Snapshot:
@@ -143,7 +146,7 @@ def run(url: str, interval_s: float, window_s: float, once: bool) -> int:
         while True:
             try:
                 print(plain(view(read(url), None) if once else history.add(read(url))), flush=True)
-            except (OSError, urllib.error.URLError) as exc:
+            except _READ_ERRORS as exc:
                 print(f"# cannot read the plugin at {url}: {exc}", file=sys.stderr, flush=True)
                 if once:
                     return 1
@@ -159,7 +162,7 @@ def run(url: str, interval_s: float, window_s: float, once: bool) -> int:
             while True:
                 try:
                     current, error = history.add(read(url)), None
-                except (OSError, urllib.error.URLError) as exc:
+                except _READ_ERRORS as exc:
                     current, error = None, str(exc)
                 live.update(table(url, current, error), refresh=True)
                 if _pressed_q(interval_s):

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.component
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+GONE = "5bf92f3577b34da6a3ce929d0e0e4737"
 
 
 @pytest.fixture
@@ -102,6 +103,14 @@ async def test_a_request_is_one_trace_joined_to_the_clients_and_passed_upstream(
             await stream.send(response_body(chunk))
         await stream.send(response_body(b"", end_of_stream=True))
         await stream.finish()
+        # Gone before its body: the stream ends, its trace ends as cancelled.
+        gone = Stream(r.stub)
+        await gone.send(
+            request_headers(
+                request_id="req-3", extra={"traceparent": f"00-{GONE}-{CLIENT_SPAN}-01"}
+            )
+        )
+        await gone.finish()
         # Refused by the gateway itself: an unknown model is a 400 and an error span.
         refused = Stream(r.stub)
         await refused.send(request_headers(request_id="req-2"))
@@ -126,8 +135,12 @@ async def test_a_request_is_one_trace_joined_to_the_clients_and_passed_upstream(
     assert sent["traceparent"] == f"00-{TRACE_ID}-{upstream.span_id.hex()}-01"
     assert root.start_time_unix_nano <= upstream.start_time_unix_nano
     assert upstream.end_time_unix_nano <= root.end_time_unix_nano
+    (cancelled,) = [s for s in receiver.spans if s.trace_id.hex() == GONE]
+    assert cancelled.name == "gateway request"
+    assert cancelled.status.code == trace_pb2.Status.STATUS_CODE_ERROR
+    assert _attrs(cancelled)["http.response.status_code"] == 499
     # The refused request: its own trace (no traceparent), status error, the 400.
-    other = [s for s in receiver.spans if s.trace_id.hex() != TRACE_ID]
+    other = [s for s in receiver.spans if s.trace_id.hex() not in (TRACE_ID, GONE)]
     refused_root = next(s for s in other if s.name == "gateway request")
     assert refused_root.status.code == trace_pb2.Status.STATUS_CODE_ERROR
     assert _attrs(refused_root)["http.response.status_code"] == 400

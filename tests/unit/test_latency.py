@@ -130,3 +130,18 @@ def test_per_gpu_type_only_keeps_one_entry_a_deployment_with_an_empty_pod_label(
     ttft = next(f for f in families if f.name == "hetero_gateway_time_to_first_token_seconds")
     assert {s.labels["pod"] for s in ttft.samples} == {""}
     assert {s.labels["deployment"] for s in ttft.samples} == {"a100"}
+
+
+def test_a_cut_stream_is_not_a_latency_sample() -> None:
+    latency, tokens, clock = _stream(200)
+    for _ in range(3):
+        clock.now += 0.1
+        tokens.feed(_event("x"), False)
+    tokens.close_gaps()  # the client went away: no end of stream
+    assert latency.pods == {} and tokens.felt is None
+
+
+def test_a_response_whose_body_is_never_seen_is_not_a_latency_sample() -> None:
+    latency, tokens, _ = _stream(200)  # --count-mode engine: headers and end, no body
+    tokens.close_gaps()
+    assert latency.pods == {} and tokens.felt is None

@@ -400,6 +400,13 @@ def test_served_requests_count_as_met_or_late_by_what_their_client_felt() -> Non
     router.finished(own, 200, Felt(0.6, 0.001, 1.0, 20))  # its own TTFT target: 0.5 s
     router.finished(plain, 200, Felt(9.0, 0.5, 30.0, 20))
     router.finished(own, 500, Felt(0.1, 0.001, 1.0, 20))  # an engine error is not an outcome
+    # A target with no latency SLO in it (an older profile's empty `slos`) judges nothing.
+    router.finished(dataclasses.replace(own, request=req(clock, slo=SloTarget())), 200, None)
+    router.finished(
+        dataclasses.replace(own, request=req(clock, slo=SloTarget())),
+        200,
+        Felt(99.0, 9.0, 99.0, 20),
+    )
     deployment = by_profile.lease.pod.deployment
     assert router.slo_outcomes.counts == {
         (MODEL, deployment, "met"): 1,

@@ -204,7 +204,7 @@ class RoutingProcessor:
             + ("x-request-id" not in headers)
             + (CONFIG_PROFILE_HEADER in headers)
             + (self._handoff is not None)
-            + (self._otel is not None)  # traceparent
+            + (self._otel is not None and "traceparent" not in headers)
         )
         count = len(msg.headers.headers)
         if count - steering + added > self._max_headers:
@@ -298,7 +298,8 @@ class RoutingProcessor:
             traceparent = self._spans.routed(decision, held)
             decision = dataclasses.replace(decision, spans=self._spans)
             self._spans = None  # the decision's now: whichever stream ends the lease ends them
-            traced.append(_header("traceparent", traceparent))
+            if traceparent is not None:
+                traced.append(_header("traceparent", traceparent))
         if self._tracer is not None:
             self._tracer.started(decision.request.model, decision.request.arrived_at)
         endpoint = decision.lease.pod.endpoint
@@ -398,7 +399,11 @@ class RoutingProcessor:
         return _CONTINUE_RESPONSE_BODY
 
     def close(self) -> None:
-        """Release the in-flight slot once, crediting the tokens counted so far."""
+        """Release the in-flight slot once, crediting the tokens counted so far; a request
+        that never got that far (its client went away while it waited) ends its spans."""
+        if self._spans is not None:
+            self._spans.failed("Cancelled", "the stream ended before the request was routed", 499)
+            self._spans = None
         decision = self._decision
         if decision is not None and not decision.lease.released:
             _finish(self._router, decision, self._tokens, self._tracer)

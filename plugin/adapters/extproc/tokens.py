@@ -119,10 +119,11 @@ class ResponseTokens:
     set, the times between its events feed the pod's speed watch.
     """
 
-    __slots__ = ("_scanner", "felt", "gaps", "status")
+    __slots__ = ("_scanner", "complete", "felt", "gaps", "status")
 
     def __init__(self) -> None:
         self.status = 0
+        self.complete = False  # the body was read to its end (not cut, not unseen)
         self._scanner: UsageScanner | None = None
         self.gaps: ChunkGaps | None = None
         self.felt: Felt | None = None  # as the client felt it, once the gaps are closed
@@ -130,6 +131,7 @@ class ResponseTokens:
     def feed(self, chunk: bytes, end_of_stream: bool) -> None:
         if self.status != 200:
             return
+        self.complete = end_of_stream
         scanner = self._scanner
         if scanner is None:
             scanner = self._scanner = UsageScanner()
@@ -141,7 +143,9 @@ class ResponseTokens:
         if self.gaps is not None:
             # An estimate counts events, which would read k tokens an event as one.
             tokens = 0 if self.estimated() else self.output_tokens()
-            self.gaps.close(tokens, served=self.status == 200)
+            # A latency sample: a 200 whose body this stream read to its end (not one cut by its
+            # client or the engine, nor one whose body it never sees: `--count-mode engine`).
+            self.gaps.close(tokens, served=self.status == 200 and self.complete)
             self.felt = self.gaps.felt
             self.gaps = None
 
@@ -343,8 +347,11 @@ class LeaseHandoff:
             if decision is None:
                 continue  # expired meanwhile, or a key seen twice
             released += 1
-            if decision.lease.release(0, 0, now) and self._tracer is not None:
-                self._tracer.ended(decision.request.model, decision.request.arrived_at)
+            if decision.lease.release(0, 0, now):
+                if self._tracer is not None:
+                    self._tracer.ended(decision.request.model, decision.request.arrived_at)
+                if decision.spans is not None:
+                    decision.spans.handed_off()
         self.released_elsewhere += released
         return released
 
@@ -357,8 +364,11 @@ class LeaseHandoff:
         if not queue:
             self._parked.pop(key, None)
         self.expired += 1
-        if decision.lease.release(0, 0, self._router.now()) and self._tracer is not None:
-            self._tracer.ended(decision.request.model, decision.request.arrived_at)
+        if decision.lease.release(0, 0, self._router.now()):
+            if self._tracer is not None:
+                self._tracer.ended(decision.request.model, decision.request.arrived_at)
+            if decision.spans is not None:
+                decision.spans.handed_off()
         log.warning(
             "no counting stream claimed request %s within %.0f s: its in-flight slot is given "
             "back (is the counting filter configured after the routing filter? with several "
