@@ -215,7 +215,7 @@ def render(runs: Sequence[Run], loop: ClosedLoop, elapsed_s: float, workload: st
                 "their requests and the run counts them.",
                 "",
             ]
-    lines += findings(runs)
+    lines += findings(runs, loop)
     return "\n".join(lines)
 
 
@@ -232,7 +232,7 @@ def _cells(n: int) -> str:
     return "one cell" if n == 1 else f"{n} cells"
 
 
-def findings(runs: Sequence[Run]) -> list[str]:
+def findings(runs: Sequence[Run], loop: ClosedLoop) -> list[str]:
     steady = next(r for r in runs if r.rule == "steady")
     others = [r for r in runs if r.rule != "steady"]
     lb = [p.mixed.attainment[LB] for p in steady.points]
@@ -272,10 +272,11 @@ def findings(runs: Sequence[Run]) -> list[str]:
         + ".",
         f"- **Utilisation.** From {UTILISATION_FROM:g} req/s up the plan's fleet delivered "
         f"{_span(util, '.0%')} of its decode ceiling under load-balance. A replica cannot reach "
-        "100% within this SLO: at TPOT 60 ms the a100's steady state for this mix is about two "
-        "thirds of its decode ceiling (prefill steps and the TPOT bound), so that is the "
-        "ceiling a perfect plan would show. Against what the fleet sustains within the SLO "
-        f"(its replicas' steady-state rates for this workload) it ran at {_span(full, '.0%')}.",
+        "100% within this SLO: alone at its steady-state rate for this workload it delivers "
+        + ", ".join(f"{g} {r:.0%}" for g, r in _reach(steady, loop).items())
+        + " of its decode ceiling (prefill steps and the SLO's bounds), so that is the ceiling a "
+        "perfect plan would show. Against what the fleet sustains within the SLO (its replicas' "
+        f"steady-state rates for this workload) it ran at {_span(full, '.0%')}.",
         f"- **Mixed against one type.** The plan saves {_span(savings, '.0%')} against the "
         "best single type.",
     ]
@@ -294,6 +295,17 @@ def findings(runs: Sequence[Run]) -> list[str]:
             "fraction."
         )
     return out
+
+
+def _reach(run: Run, loop: ClosedLoop) -> dict[str, float]:
+    """Per GPU type: its steady-state rate's output tokens/s over its saturated decode ceiling,
+    the most a replica alone can deliver of it within the SLO on this workload."""
+    mean_out = loop.scenario.lengths.mean_output
+    return {
+        g: run.capacity[g] * mean_out / gpu.saturated_tokens_per_s()
+        for g, gpu in loop.gpus.items()
+        if g in run.capacity
+    }
 
 
 def _prices(items: Sequence[str]) -> dict[str, float]:
