@@ -1,11 +1,13 @@
 """The dashboard and alert rules that ship (deploy/components/monitoring) against what the plugin
 and the optimizer export: every metric a query names is one they export (the names are read from
 the queries themselves and from the real collectors, no list kept here), and Prometheus's own
-`promtool` accepts the rules and every dashboard query. `.ci/run` installs promtool (Debian's
-`prometheus` package) where it is missing."""
+`promtool` accepts the rules and every dashboard query, and a real Prometheus scraping two plugin
+replicas evaluates them all. `.ci/run` installs Debian's `prometheus` package (promtool and the
+server) where it is missing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -24,12 +26,13 @@ from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.http import GatewayCollector, LatencyView
 from plugin.adapters.optimizer.state import OptimizerMetrics
 from plugin.adapters.scraper import MetricsScraper
+from plugin.config import DEFAULT_DEPLOYMENT_LABEL
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import DECISION_BUCKETS_S, ClientLatency, Histogram, SloOutcomes
 from plugin.core.pool import PodPool
 from plugin.core.router import PredictionStats, WaitStats
-from tests.helpers import REPO, StartGateway, make_pod, write_pods_file
+from tests.helpers import REPO, StartGateway, free_port, make_pod, poll, write_pods_file
 
 pytestmark = pytest.mark.component
 
@@ -187,3 +190,86 @@ async def test_the_per_pod_switch_reaches_a_running_gateways_metrics(
         if f.name == "hetero_gateway_time_to_first_token_seconds"
     )
     assert {s.labels["pod"] for s in ttft.samples} == {pod.key if per_pod else ""}
+
+
+async def test_a_real_prometheus_evaluates_every_query_over_two_gateways(
+    tmp_path: Path,
+    start_gateway: StartGateway,
+    http: aiohttp.ClientSession,
+) -> None:
+    """Debian's Prometheus scrapes two plugin replicas over one pod list and evaluates every
+    dashboard query and every alert rule: what promtool's syntax check cannot see, such as a
+    join that matches many-to-many once two gateways export the same pods."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: apt-get install prometheus"
+    pods = write_pods_file(
+        tmp_path / "pods.yaml",
+        [  # the GPU type as discovery reads it: the deployment label
+            make_pod("a100-0", labels={DEFAULT_DEPLOYMENT_LABEL: "a100"}),
+            make_pod("l20-0", address="10.0.0.2", labels={DEFAULT_DEPLOYMENT_LABEL: "l20"}),
+        ],
+    )
+    gateways = [await start_gateway(pods, {}) for _ in range(2)]
+    for g in gateways:  # each has felt some latency and judged an SLO
+        for pod in g.pool.pods():
+            g.router.latency.observe(
+                pod.key, pod.model, pod.deployment or "", 0.0, 0.1, 0.5, 0.6, 5
+            )
+            g.router.slo_outcomes.count(pod.model, pod.deployment or "", "met")
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {
+                "job_name": "hetero-gateway",
+                "static_configs": [{"targets": [f"127.0.0.1:{g.http_port}" for g in gateways]}],
+            }
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    proc = await asyncio.create_subprocess_exec(
+        binary,
+        f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    async def get(path: str, **params: str) -> Any:
+        async with http.get(f"{api}/{path}", params=params) as resp:
+            return await resp.json()
+
+    async def scraped() -> int:
+        try:
+            doc = await get("query", query='count(up{job="hetero-gateway"} == 1)')
+        except aiohttp.ClientError:
+            return 0
+        result = doc.get("data", {}).get("result", [])
+        return int(float(result[0]["value"][1])) if result else 0
+
+    try:
+        await poll(scraped, lambda n: n == 2, "Prometheus scraping both gateways", limit_s=30)
+        await asyncio.sleep(3)  # a few scrapes in: rates have two samples
+        for query in dashboard_queries():
+            if query.startswith("label_values("):
+                continue
+            for var, value in GRAFANA_VARS.items():
+                query = query.replace(var, value)
+            doc = await get("query", query=query)
+            assert doc["status"] == "success", (query, doc)
+        routed = await get(
+            "query",
+            query="sum by (gpu) (rate(hetero_gateway_routed_requests_total[5m]) * on (instance,"
+            " pod, model) group_left (gpu) hetero_gateway_pod_info)",
+        )
+        assert {r["metric"]["gpu"] for r in routed["data"]["result"]} == {"a100", "l20"}
+        rules = await get("rules")
+        evaluated = [r for g in rules["data"]["groups"] for r in g["rules"]]
+        assert len(evaluated) == len(rule_queries())
+        assert all(r["health"] in ("ok", "unknown") for r in evaluated), evaluated
+    finally:
+        proc.terminate()
+        await proc.wait()
