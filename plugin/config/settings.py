@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import socket
@@ -227,12 +228,25 @@ def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
     )
 
 
+# xds-protos (the ext_proc stubs) ships its own, older copies of OpenTelemetry's protos at the
+# same import path as opentelemetry-proto's; installed after it, they break the OTLP exporter.
+OTEL_PROTO_FIX = "pip install --force-reinstall --no-deps opentelemetry-proto"
+
+
 def _otel(env: Mapping[str, str]) -> bool:
     on = OTEL.read(env)
     if on and importlib.util.find_spec("opentelemetry.sdk") is None:
         raise ConfigError(
             f"{OTEL.name}=true needs OpenTelemetry: pip install 'hetero-gateway[otel]'"
         )
+    if on:
+        try:
+            importlib.import_module("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
+        except ImportError as exc:
+            raise ConfigError(
+                f"{OTEL.name}=true: the OTLP exporter does not import ({exc}); xds-protos'"
+                f" copies of OpenTelemetry's protos shadow opentelemetry-proto's: {OTEL_PROTO_FIX}"
+            ) from None
     return on
 
 

@@ -619,3 +619,21 @@ def test_otel_without_its_extra_stops_start_up_naming_the_variable(
     with pytest.raises(ConfigError, match=r"HETERO_GATEWAY_OTEL=true needs OpenTelemetry: pip"):
         load_settings({"HETERO_GATEWAY_OTEL": "true"})
     assert load_settings({}).otel is False
+
+
+def test_otel_with_shadowed_protos_stops_start_up_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def shadowed(name: str, *args: Any) -> Any:
+        if name.startswith("opentelemetry.exporter"):
+            raise ImportError("cannot import name 'InstrumentationScope'")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", shadowed)
+    with pytest.raises(ConfigError, match=r"HETERO_GATEWAY_OTEL=true: the OTLP exporter .*"
+                       r"--force-reinstall --no-deps opentelemetry-proto"):  # fmt: skip
+        load_settings({"HETERO_GATEWAY_OTEL": "true"})
