@@ -229,7 +229,8 @@ def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
 
 
 # xds-protos (the ext_proc stubs) ships its own, older copies of OpenTelemetry's protos at the
-# same import path as opentelemetry-proto's; installed after it, they break the OTLP exporter.
+# same import path as opentelemetry-proto's; installed after it, they break the OTLP exporter
+# (grpc/grpc#42926, open-telemetry/opentelemetry-python#4843: reinstalling it fixes it).
 OTEL_PROTO_FIX = "pip install --force-reinstall --no-deps opentelemetry-proto"
 
 
