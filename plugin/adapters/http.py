@@ -1,7 +1,7 @@
 """HTTP side of the plugin: Prometheus /metrics, /healthz, /readyz and /debug/pods.
 
-Metrics are read from the pool at scrape time by a custom collector, so the request path pays
-nothing for them.
+Metrics are read from the pool and the router at scrape time by a custom collector, so the
+request path pays nothing for them but the histograms' increments (`plugin.core.latency`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from plugin.adapters.scraper import UNREACHABLE, UNUSABLE, MetricsScraper
 from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
 from plugin.core.latency import ClientLatency, Histogram, SloOutcomes
 from plugin.core.pool import PodPool
-from plugin.core.router import Buckets, PredictionStats, WaitStats
+from plugin.core.router import PredictionStats, WaitStats
 
 
 class SharedStateView(Protocol):
@@ -54,9 +54,9 @@ class TracingView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-def _histogram(family: HistogramMetricFamily, labels: list[str], data: Buckets) -> None:
+def _add(family: HistogramMetricFamily, labels: list[str], data: Histogram) -> None:
     bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
-    buckets = [(b, c) for b, c in zip(bounds, data.counts, strict=True)]
+    buckets = [(b, c) for b, c in zip(bounds, data.cumulative(), strict=True)]
     buckets.append(("+Inf", data.count))
     family.add_metric(labels, buckets, data.total)
 
@@ -72,7 +72,7 @@ def queue_families(
         labels=["outcome"],
     )
     for routed, outcome in ((True, "routed"), (False, "rejected")):
-        _histogram(wait, [outcome], waits.by_outcome[routed])
+        _add(wait, [outcome], waits.by_outcome[routed])
     yield wait
     if predictions is None:
         return
@@ -83,7 +83,7 @@ def queue_families(
         labels=["deployment"],
     )
     for deployment, data in sorted(predictions.ratios.items()):
-        _histogram(ratio, [deployment], data)
+        _add(ratio, [deployment], data)
     yield ratio
 
 
@@ -112,13 +112,6 @@ _LATENCY_FAMILIES = (
         "Output tokens per response (the engine's usage, else the SSE events), per pod.",
     ),
 )
-
-
-def _add(family: HistogramMetricFamily, labels: list[str], data: Histogram) -> None:
-    bounds = [floatToGoString(b) for b in data.bounds]  # type: ignore[no-untyped-call]
-    buckets = [(b, c) for b, c in zip(bounds, data.cumulative(), strict=True)]
-    buckets.append(("+Inf", data.count))
-    family.add_metric(labels, buckets, data.total)
 
 
 class LatencyView(NamedTuple):

@@ -49,7 +49,8 @@ TOKEN_BUCKETS = (16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 
 
 
 class Histogram:
-    """Counts per bucket (not cumulative: one increment an observation), made cumulative when
+    """The core's one histogram (here and in `plugin.core.router`), read by /metrics: counts per
+    bucket (not cumulative: one bisect and one increment an observation), made cumulative when
     read (`cumulative`), as Prometheus's `le` buckets are."""
 
     __slots__ = ("bounds", "count", "per_bucket", "total")

@@ -52,7 +52,6 @@ from plugin.errors import (
 __all__ = [
     "RATIO_BUCKETS",
     "WAIT_BUCKETS_S",
-    "Buckets",
     "Decision",
     "PredictionStats",
     "Router",
@@ -67,26 +66,6 @@ WAIT_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
-class Buckets:
-    """One cumulative histogram (Prometheus's shape), kept in the core and read by /metrics."""
-
-    __slots__ = ("bounds", "count", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * len(bounds)
-        self.count = 0
-        self.total = 0.0
-
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        counts = self.counts
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                counts[i] += 1
-
-
 class WaitStats:
     """How long held requests waited, routed or rejected (a histogram read by /metrics). Why
     they were rejected is in the request-error counts, by error class, like every other error."""
@@ -94,7 +73,7 @@ class WaitStats:
     __slots__ = ("by_outcome",)
 
     def __init__(self) -> None:
-        self.by_outcome = {routed: Buckets(WAIT_BUCKETS_S) for routed in (True, False)}
+        self.by_outcome = {routed: Histogram(WAIT_BUCKETS_S) for routed in (True, False)}
 
     def observe(self, waited_s: float, routed: bool) -> None:
         self.by_outcome[routed].observe(waited_s)
@@ -113,14 +92,14 @@ class PredictionStats:
     __slots__ = ("ratios",)
 
     def __init__(self) -> None:
-        self.ratios: dict[str, Buckets] = {}
+        self.ratios: dict[str, Histogram] = {}
 
     def observe(self, deployment: str, predicted_s: float, actual_s: float) -> None:
         if not predicted_s > 0 or actual_s < 0:
             return
         buckets = self.ratios.get(deployment)
         if buckets is None:
-            buckets = self.ratios[deployment] = Buckets(RATIO_BUCKETS)
+            buckets = self.ratios[deployment] = Histogram(RATIO_BUCKETS)
         buckets.observe(actual_s / predicted_s)
 
 

@@ -532,8 +532,8 @@ def test_the_queue_is_bounded_per_model_and_drains_with_an_answer() -> None:
     rejected = waits.by_outcome[False]
     assert (waits.by_outcome[True].count, rejected.count) == (0, 2)
     assert rejected.total == pytest.approx(0.6)
-    assert rejected.counts[WAIT_BUCKETS_S.index(0.5)] == 2  # cumulative buckets
-    assert rejected.counts[WAIT_BUCKETS_S.index(0.25)] == 0
+    assert rejected.cumulative()[WAIT_BUCKETS_S.index(0.5)] == 2  # cumulative buckets
+    assert rejected.cumulative()[WAIT_BUCKETS_S.index(0.25)] == 0
 
 
 def test_queue_metrics_are_valid_prometheus_histograms() -> None:
