@@ -423,6 +423,44 @@ def test_no_gpu_type_can_serve_the_size_is_rejected_at_once() -> None:
         router.admit(req(clock, slo=SloTarget(ttft_s=0.05)), strategy(router, "slo-least-load"))
 
 
+@pytest.mark.parametrize("path", ["view", "list"])
+def test_pulling_prefers_a_gpu_type_that_meets_the_slo_however_long_the_answer_runs(
+    path: str,
+) -> None:
+    """Both GPU types meet the SLO for the predicted 4-token answer and have room; only the
+    fast one would for the 512 tokens `max_tokens` allows. `slo` routes to it although the
+    slow pod is less loaded; with room on the fast one gone, or with no longer cap, the slow
+    one takes it again. `slo-least-load` keeps the least loaded."""
+    fast = GpuProfile(
+        "fast", 1.0, (4, 512), (128,), ((10.0,), (1.0,)), 0.0,
+        ((1.0,), (4.0,)), ((0.1,), (0.4,)), slos={"e2e": 5.0},
+    )  # fmt: skip
+    slow = grid_profile("slow", tput=2.0, e2e=1.0)  # never meets the SLO at 512 tokens
+    f, s = pod("f", "fast"), pod("s", "slow")
+    router, pool, clock, _ = setup(
+        f, s, profiles={profile_key(MODEL, "fast"): fast, profile_key(MODEL, "slow"): slow}
+    )
+    for _ in range(3):
+        router.completed(MODEL, 128, 4, 200)  # answers are short: the prediction is 4
+    pool.acquire(f, load=0.5)
+
+    def routed_to(name: str, max_tokens: int | None) -> str:
+        request = req(clock, max_tokens=max_tokens)
+        if path == "list":
+            request = dataclasses.replace(request, pod_selector=parse_selector("gpu"))
+        decision = router.admit(request, strategy(router, name))
+        assert isinstance(decision, Decision)
+        decision.lease.release()
+        return decision.lease.pod.key
+
+    assert routed_to("slo", 512) == "ns/f"
+    assert routed_to("slo-least-load-pulling", 512) == "ns/f"
+    assert routed_to("slo", 4) == "ns/s"  # no answer longer than predicted
+    assert routed_to("slo-least-load", 512) == "ns/s"
+    pool.acquire(f, load=0.45)  # 0.95 + 0.1 > 1: the fast pod is full
+    assert routed_to("slo", 512) == "ns/s"
+
+
 def test_history_drives_the_cell() -> None:
     router, _, clock, _ = setup(pod("f", "fast"))
     for _ in range(3):
