@@ -60,6 +60,9 @@ SCRAPE_TICKS = 5
 SYNC_ROUNDS = 30
 GATEWAYS = 4
 REPLICAS = 5  # gateways sharing the scrapes
+GENERATED = f'vllm:generation_tokens_total{{engine="0",model_name="{MODEL}"}}'
+GENERATED_SAMPLE = GENERATED + " 12345.0"
+TOKENS_PER_S = 2000  # what each engine's counter gains a second
 T = TypeVar("T")
 
 
@@ -131,16 +134,28 @@ def serve_metrics(port: int, by_name: bool) -> None:
     honours `name[]` as vLLM's prometheus_client exposition does; else it sends the whole page
     whatever is asked (an engine that ignores the parameters)."""
     pages = [vllm_page(i) for i in range(64)]
-    cache: dict[tuple[int, frozenset[str]], bytes] = {}
+    # Each page split around its generated-token counter, which grows with the clock as a busy
+    # engine's does: a static counter would leave every pod without a learned capacity, and
+    # the gateway would pay the fair start of a newcomer for each of them every tick.
+    cache: dict[tuple[int, frozenset[str]], tuple[bytes, bytes | None]] = {}
+    started = time.monotonic()
 
     async def metrics(request: web.Request) -> web.Response:
         host = request.host.rsplit(":", 1)[0]
         which = hash(host) % len(pages)
         names = frozenset(request.query.getall("name[]", [])) if by_name else frozenset()
-        body = cache.get((which, names))
-        if body is None:
+        parts = cache.get((which, names))
+        if parts is None:
             page = pages[which]
-            body = cache[(which, names)] = (narrowed(page, names) if names else page).encode()
+            text = narrowed(page, names) if names else page
+            head, found, tail = text.partition(GENERATED_SAMPLE)
+            parts = cache[(which, names)] = (head.encode(), tail.encode() if found else None)
+        head_bytes, tail_bytes = parts
+        if tail_bytes is None:
+            body = head_bytes
+        else:
+            tokens = 12345 + round(TOKENS_PER_S * (time.monotonic() - started))
+            body = b"%s%s %d.0%s" % (head_bytes, GENERATED.encode(), tokens, tail_bytes)
         return web.Response(body=body, content_type="text/plain")
 
     app = web.Application()
@@ -229,6 +244,9 @@ async def shared_scrape_cost(n: int, port: int, redis_port: int) -> float:
         shares = state.shares
         if shares.scraped + shares.from_peers != n or shares.from_peers == 0:
             raise RuntimeError(f"scraped {shares.scraped}, read {shares.from_peers} of {n}")
+        learned = sum(1 for p in pods if shares.mine(p.key) and pool.capacity(p.key) is not None)
+        if learned < shares.scraped:  # a busy fleet: every engine's counter moves
+            raise RuntimeError(f"{shares.scraped - learned} scraped pods learned no capacity")
     finally:
         scraper.close()
         await state.close()
