@@ -423,29 +423,35 @@ def test_no_gpu_type_can_serve_the_size_is_rejected_at_once() -> None:
         router.admit(req(clock, slo=SloTarget(ttft_s=0.05)), strategy(router, "slo-least-load"))
 
 
+@pytest.mark.parametrize("other", ["never", "too-slow"])
 @pytest.mark.parametrize("path", ["view", "list"])
 def test_pulling_prefers_a_gpu_type_that_meets_the_slo_however_long_the_answer_runs(
-    path: str,
+    path: str, other: str
 ) -> None:
     """Both GPU types meet the SLO for the predicted 4-token answer and have room; only the
-    fast one would for the 512 tokens `max_tokens` allows. `slo` routes to it although the
-    slow pod is less loaded; with room on the fast one gone, or with no longer cap, the slow
-    one takes it again. `slo-least-load` keeps the least loaded."""
+    fast one would for the 512 tokens `max_tokens` allows (the other never serves 512 tokens,
+    or serves them 1 s past the 5 s E2E). `slo` routes to the fast one although the other pod
+    is less loaded; with no longer cap, with room on the fast ones gone, or once the request
+    has waited past what the fast one leaves at 512 tokens (1 s; so no type qualifies), the
+    least loaded takes it again, never a hold. `slo-least-load` keeps the least loaded."""
     fast = GpuProfile(
         "fast", 1.0, (4, 512), (128,), ((10.0,), (1.0,)), 0.0,
         ((1.0,), (4.0,)), ((0.1,), (0.4,)), slos={"e2e": 5.0},
     )  # fmt: skip
     slow = grid_profile("slow", tput=2.0, e2e=1.0)  # never meets the SLO at 512 tokens
-    f, s = pod("f", "fast"), pod("s", "slow")
+    if other == "too-slow":  # serves 512 tokens at some rate, but in 6 s
+        slow = dataclasses.replace(slow, tputs=((2.0,), (1.0,)), e2e=((1.0,), (6.0,)))
+    f, ff, s = pod("f", "fast"), pod("ff", "fast"), pod("s", "slow")
     router, pool, clock, _ = setup(
-        f, s, profiles={profile_key(MODEL, "fast"): fast, profile_key(MODEL, "slow"): slow}
+        f, ff, s, profiles={profile_key(MODEL, "fast"): fast, profile_key(MODEL, "slow"): slow}
     )
     for _ in range(3):
         router.completed(MODEL, 128, 4, 200)  # answers are short: the prediction is 4
     pool.acquire(f, load=0.5)
+    pool.acquire(ff, load=0.7)
 
-    def routed_to(name: str, max_tokens: int | None) -> str:
-        request = req(clock, max_tokens=max_tokens)
+    def routed_to(name: str, max_tokens: int | None, waited: float = 0.0) -> str:
+        request = req(clock, max_tokens=max_tokens, arrived_at=clock.t - waited)
         if path == "list":
             request = dataclasses.replace(request, pod_selector=parse_selector("gpu"))
         decision = router.admit(request, strategy(router, name))
@@ -455,10 +461,47 @@ def test_pulling_prefers_a_gpu_type_that_meets_the_slo_however_long_the_answer_r
 
     assert routed_to("slo", 512) == "ns/f"
     assert routed_to("slo-least-load-pulling", 512) == "ns/f"
+    assert routed_to("slo", 512, waited=0.5) == "ns/f"  # 1 s left at 512 tokens
+    assert routed_to("slo", 512, waited=1.5) == "ns/s"  # none left: the least loaded
     assert routed_to("slo", 4) == "ns/s"  # no answer longer than predicted
     assert routed_to("slo-least-load", 512) == "ns/s"
-    pool.acquire(f, load=0.45)  # 0.95 + 0.1 > 1: the fast pod is full
+    pool.acquire(f, load=0.45)  # 0.95 + 0.1 > 1: the fast pods are full
+    pool.acquire(ff, load=0.25)
     assert routed_to("slo", 512) == "ns/s"
+
+
+def test_where_no_gpu_type_makes_the_longest_answer_the_pick_is_as_without_the_rule() -> None:
+    """No type serves 512-token answers: the preference keeps every pod with room below its
+    mean (b, c: the least loaded of them takes it), and does not hand the request to the burst
+    room, where a pod past its mean but less loaded (a) would have won."""
+
+    def with_long_answers(profile: GpuProfile, gpu: str) -> GpuProfile:
+        (rates,), (e2e,), (ttft,) = profile.tputs, profile.e2e or (), profile.ttft or ()
+        return dataclasses.replace(
+            profile,
+            gpu=gpu,
+            out_ticks=(32, 512),
+            tputs=(rates, (0.0, 0.0)),
+            e2e=(e2e, (9.0, 9.0)),
+            ttft=(ttft, ttft),
+        )
+
+    base = long_and_short_profile(99, long_ttft=0.2)  # a long prompt: 0.8 of a pod
+    lighter = dataclasses.replace(base, e2e=((0.35, 1 / 0.6),))  # a long prompt: 0.6 of it
+    profiles = {
+        profile_key(MODEL, "fast"): with_long_answers(base, "fast"),
+        profile_key(MODEL, "b"): with_long_answers(lighter, "b"),
+        profile_key(MODEL, "c"): with_long_answers(lighter, "c"),
+    }
+    a, b, c = pod("a", "fast"), pod("b", "b"), pod("c", "c")
+    router, pool, clock, _ = setup(a, b, c, profiles=profiles)
+    for _ in range(3):
+        router.completed(MODEL, 4096, 32, 200)  # the prediction is 32
+    pool.acquire(a, load=0.3)  # 0.3 + 0.8 > 1: room only as a burst (3.2)
+    pool.acquire(b, load=0.35)  # 0.35 + 0.6 <= 1: room below the mean
+    pool.acquire(c, load=0.38)
+    routed = router.admit(req(clock, prompt_tokens=4096, max_tokens=512), strategy(router, "slo"))
+    assert isinstance(routed, Decision) and routed.lease.pod.key == "ns/b"
 
 
 def test_history_drives_the_cell() -> None:

@@ -50,11 +50,12 @@ Strategies (never blended with others):
   profile's percentile of the Poisson number of the cell's requests in flight at its `tputs`,
   in shares), since holding at the mean refuses states the engine served within the SLO when
   it was profiled. Pods below the mean come first, so where one has room the pick is as it
-  was. Among pods with room, those of a GPU type that would still meet the SLO should the
-  answer run to the request's `max_tokens` come first (`_longest_answer_fits`): the
-  prediction is the most frequent length, and a GPU type whose time per token sits at the SLO
-  is late on every answer that runs long (in the simulator's chat + long mix, an L20 at TPAT
-  20 ms: `slo` served 1.1% late at 0.5 G* with it, 0.6% without);
+  was, but for one thing: among pods with room, those of a GPU type that would still meet
+  the SLO should the answer run to the request's `max_tokens` come first
+  (`_longest_answer_fits`): the prediction is the most frequent length, and a GPU type whose
+  time per token sits at the SLO is late on every answer that runs long (in the simulator's
+  chat + long mix, an L20 at TPAT 20 ms: `slo` served 1.1% late at 0.5 G* before this
+  preference, 0.6% with it);
 - `slo-least-load`: the least loaded pod that can serve the size, room ignored;
 - `slo-pack-load`: the fullest pod that still has room (fewer pods busy), of the GPU type that
   serves the request for the least (its profile's `cost` over the cell's rate, `SloFit.price`);
@@ -442,21 +443,28 @@ def _longest_answer_fits(
     fits: Sequence[SloFit], request: RequestInfo, output: int, waited: float
 ) -> list[SloFit]:
     """Of `fits` (predicted `output` tokens), those whose GPU type would still meet the SLO
-    if the answer ran to the request's `max_tokens`; all of them without a longer cap.
+    if the answer ran to the request's `max_tokens` (read, like any size, at the grid's
+    nearest cell: a cap above the grid is read at its longest answer); all of them without a
+    longer cap.
 
     The prediction is the most frequent answer length, and a chat mix's answers spread wide:
     a GPU type whose time per token sits at the SLO for long answers (an L20 at TPAT 20 ms) is
-    late on every answer that runs long. Among pods with room, `slo` prefers those that meet
-    the SLO whatever the length."""
+    late on every answer that runs long. Judged once per GPU type (profile), at its least
+    loaded pod among `fits`, the one the pulling strategies route to: one `fit` per type,
+    however many pods the list holds."""
     longest = request.max_tokens
     if longest is None or longest <= output:
         return list(fits)
-    kept = []
+    verdicts: dict[int, bool] = {}
+    least: dict[int, SloFit] = {}
     for f in fits:
+        known = least.get(id(f.profile))
+        if known is None or f.candidate.load < known.candidate.load:
+            least[id(f.profile)] = f
+    for key, f in least.items():
         worst = fit(f.candidate, f.profile, request, longest)
-        if math.isfinite(worst.consumption) and worst.slack_s >= waited:
-            kept.append(f)
-    return kept
+        verdicts[key] = math.isfinite(worst.consumption) and worst.slack_s >= waited
+    return [f for f in fits if verdicts[id(f.profile)]]
 
 
 def _has_room(load: float, consumption: float, full: float = 1.0) -> bool:
