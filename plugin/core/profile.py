@@ -48,6 +48,7 @@ __all__ = [
     "GpuProfile",
     "ProfileBook",
     "ProfiledRoute",
+    "SloTarget",
     "beyond_grid",
     "late_rates",
     "mix_rates",
@@ -70,6 +71,48 @@ Grid = tuple[tuple[float, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
+class SloTarget:
+    """Latency targets in seconds, each optional (None: not set); one vocabulary for a request's
+    own targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` set the first two), a GPU profile's `slos` and
+    the fleet simulator's SLO.
+
+    - `ttft_s`: time to the first token;
+    - `tpot_s`: time per output token after the first ((E2E - TTFT) / (output tokens - 1));
+    - `e2e_s`: end-to-end latency of the request;
+    - `tpat_s`: time per all tokens, AIBrix's e2e-per-token SLO: E2E / (prompt + output tokens).
+
+    A measurement meets a target when it is at most the target (NaN never meets one).
+    """
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    tpat_s: float | None = None
+
+    @classmethod
+    def from_slos(cls, slos: Mapping[str, float]) -> SloTarget:
+        """From a profile's `slos` (AIBrix's names); the others (`tput`, `tt`, `percentile`)
+        are not latency targets and are left out."""
+        return cls(slos.get("ttft"), slos.get("tpot"), slos.get("e2e"), slos.get("tpat"))
+
+    def slos(self) -> dict[str, float]:
+        """The targets that are set, by AIBrix's names (what a profile is built for)."""
+        named = {"ttft": self.ttft_s, "tpot": self.tpot_s, "e2e": self.e2e_s, "tpat": self.tpat_s}
+        return {name: value for name, value in named.items() if value is not None}
+
+    def met(self, ttft_s: float, tpot_s: float, e2e_s: float, tokens: int) -> bool:
+        """Whether measured latencies meet every target that is set; `tokens` is prompt +
+        output tokens (TPAT's denominator). A target not set is met by any measurement."""
+        checks = (
+            (self.ttft_s, ttft_s),
+            (self.tpot_s, tpot_s),
+            (self.e2e_s, e2e_s),
+            (self.tpat_s, e2e_s / tokens if tokens > 0 else float("inf")),
+        )
+        return all(target is None or measured <= target for target, measured in checks)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuProfile:
     gpu: str  # the deployment the profile describes
     cost: float
@@ -88,10 +131,13 @@ class GpuProfile:
     mix_tputs: Grid = field(init=False, repr=False, compare=False)
     # [out][in] the same for requests served late, beyond the SLO (`late_rates`); derived.
     late_tputs: Grid = field(init=False, repr=False, compare=False)
+    # `slos` as latency targets (`SloTarget.from_slos`); derived once, read on every SLO fit.
+    target: SloTarget = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mix_tputs", mix_rates(self.tputs, self.in_ticks))
         object.__setattr__(self, "late_tputs", late_rates(self.mix_tputs, self.in_ticks))
+        object.__setattr__(self, "target", SloTarget.from_slos(self.slos))
 
     def to_json(self) -> dict[str, Any]:
         """The document AIBrix writes (same keys, same order), then `e2e_idle` when known."""

@@ -39,7 +39,7 @@ from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
 from plugin.core.strategies.base import FALLBACK
 from plugin.core.strategies.gate import ImbalanceGate, Wrapped
-from plugin.core.types import Candidate, Pod, RequestInfo, SloTarget
+from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import (
     NoMatchingPod,
     QueueFull,
@@ -339,7 +339,7 @@ class Router:
         request, profiled = decision.request, decision.profiled
         target = request.slo
         if target is None and profiled is not None:
-            target = SloTarget.from_slos(profiled.profile.slos)
+            target = profiled.profile.target
         if target is not None and target.slos() and felt is not None and status == 200:
             met = felt.met(target, request.prompt_tokens)
             pod = decision.lease.pod

@@ -1,4 +1,7 @@
-"""Core value types: a pod as discovery describes it, and what a strategy sees of a candidate."""
+"""Core value types: a pod as discovery describes it, and what a strategy sees of a candidate.
+
+`SloTarget` lives beside the GPU profiles (`plugin.core.profile`), whose `slos` it reads once
+per profile; it is imported from here as well."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from dataclasses import dataclass, field
 
 from plugin.core.config_profile import ModelConfig
 from plugin.core.profile import GpuProfile
+from plugin.core.profile import SloTarget as SloTarget  # its old home: importers keep it
 from plugin.core.selector import LabelSelector
 
 
@@ -101,48 +105,6 @@ class Candidate:
     # CPU KV-cache usage 0..1 where the engine exports it (vLLM's `vllm:cpu_cache_usage_perc`);
     # load-balance breaks ties by GPU + CPU usage, as AIBrix does. None when unknown or stale.
     cpu_kv_usage: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SloTarget:
-    """Latency targets in seconds, each optional (None: not set); one vocabulary for a request's
-    own targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` set the first two), a GPU profile's `slos` and
-    the fleet simulator's SLO.
-
-    - `ttft_s`: time to the first token;
-    - `tpot_s`: time per output token after the first ((E2E - TTFT) / (output tokens - 1));
-    - `e2e_s`: end-to-end latency of the request;
-    - `tpat_s`: time per all tokens, AIBrix's e2e-per-token SLO: E2E / (prompt + output tokens).
-
-    A measurement meets a target when it is at most the target (NaN never meets one).
-    """
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2e_s: float | None = None
-    tpat_s: float | None = None
-
-    @classmethod
-    def from_slos(cls, slos: Mapping[str, float]) -> SloTarget:
-        """From a profile's `slos` (AIBrix's names); the others (`tput`, `tt`, `percentile`)
-        are not latency targets and are left out."""
-        return cls(slos.get("ttft"), slos.get("tpot"), slos.get("e2e"), slos.get("tpat"))
-
-    def slos(self) -> dict[str, float]:
-        """The targets that are set, by AIBrix's names (what a profile is built for)."""
-        named = {"ttft": self.ttft_s, "tpot": self.tpot_s, "e2e": self.e2e_s, "tpat": self.tpat_s}
-        return {name: value for name, value in named.items() if value is not None}
-
-    def met(self, ttft_s: float, tpot_s: float, e2e_s: float, tokens: int) -> bool:
-        """Whether measured latencies meet every target that is set; `tokens` is prompt +
-        output tokens (TPAT's denominator). A target not set is met by any measurement."""
-        checks = (
-            (self.ttft_s, ttft_s),
-            (self.tpot_s, tpot_s),
-            (self.e2e_s, e2e_s),
-            (self.tpat_s, e2e_s / tokens if tokens > 0 else float("inf")),
-        )
-        return all(target is None or measured <= target for target, measured in checks)
 
 
 @dataclass(frozen=True, slots=True)

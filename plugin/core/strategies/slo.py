@@ -91,7 +91,7 @@ from plugin.core.strategies.base import (
     require_candidates,
 )
 from plugin.core.strategies.simple import LeastRequest, random_min
-from plugin.core.types import Candidate, RequestInfo, SloTarget
+from plugin.core.types import Candidate, RequestInfo
 from plugin.core.view import CandidateView, Run, choose_tied, tied_run
 from plugin.errors import SloUnmeetable
 
@@ -218,7 +218,7 @@ def _slack_s(
     ttft = profile.ttft[i][j] if profile.ttft is not None else math.nan
     slo = request.slo
     own = slo is not None and (slo.ttft_s is not None or slo.tpot_s is not None)
-    target = slo if own and slo is not None else SloTarget.from_slos(profile.slos)
+    target = slo if own and slo is not None else profile.target
     slacks = [math.inf]  # a profile without SLOs (the older format): no deadline of its own
     if own and target.tpot_s is not None:
         if math.isfinite(ttft) and output > 1:
@@ -251,11 +251,23 @@ def fit(
     # Once it streams, its prompt is done: it costs what the same answer to the shortest prompt
     # of the grid does.
     streaming = min(consumption, _share(profile, i, 0)) if profile.tputs[i][0] > 0 else consumption
-    at_load = profile.e2e_at(cell, candidate.load + consumption)
-    slack = _slack_s(
-        profile, cell, request, prompt, output_tokens, math.nan if at_load is None else at_load
-    )
+    slack = _slack_at(candidate, profile, request, cell, output_tokens, consumption)
     return SloFit(candidate, profile, consumption, slack, cell, above, streaming)
+
+
+def _slack_at(
+    candidate: Candidate,
+    profile: GpuProfile,
+    request: RequestInfo,
+    cell: tuple[int, int],
+    output_tokens: int,
+    consumption: float,
+) -> float:
+    """The request's slack in `cell` on the pod, the E2E read at the pod's load with its
+    `consumption` added (`GpuProfile.e2e_at`)."""
+    at_load = profile.e2e_at(cell, candidate.load + consumption)
+    e2e = math.nan if at_load is None else at_load
+    return _slack_s(profile, cell, request, request.prompt_tokens, output_tokens, e2e)
 
 
 def _share(profile: GpuProfile, i: int, j: int) -> float:
@@ -462,8 +474,15 @@ def _longest_answer_fits(
         if known is None or f.candidate.load < known.candidate.load:
             least[id(f.profile)] = f
     for key, f in least.items():
-        worst = fit(f.candidate, f.profile, request, longest)
-        verdicts[key] = math.isfinite(worst.consumption) and worst.slack_s >= waited
+        profile = f.profile
+        cell = profile.cell(request.prompt_tokens, longest)
+        if cell == f.cell:  # the predicted cell, which `f` already meets
+            verdicts[key] = True
+            continue
+        i, j = cell
+        verdicts[key] = profile.tputs[i][j] > 0 and (
+            _slack_at(f.candidate, profile, request, cell, longest, _share(profile, i, j)) >= waited
+        )
     return [f for f in fits if verdicts[id(f.profile)]]
 
 
