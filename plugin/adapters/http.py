@@ -148,8 +148,8 @@ def latency_families(view: LatencyView) -> Iterator[Metric]:
     for attr, name, what in _LATENCY_FAMILIES:
         family = HistogramMetricFamily(name, what, labels=labels)
         for key, pod in sorted(latency.pods.items()):
-            name = key if latency.per_pod else ""
-            _add(family, [name, pod.model, pod.deployment], getattr(pod, attr))
+            pod_label = key if latency.per_pod else ""
+            _add(family, [pod_label, pod.model, pod.deployment], getattr(pod, attr))
         yield family
 
 
