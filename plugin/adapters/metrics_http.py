@@ -66,6 +66,11 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
         return answer
 
+    def expire(self) -> None:
+        """The scrape's time ran out: its answer fails with TimeoutError."""
+        self._fail(TimeoutError())
+        self.abort()
+
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -85,6 +90,8 @@ class _Connection(asyncio.Protocol):
         self._reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) < 14:  # shorter than the three read here (most headers: a cheap skip)
+            return
         lower = name.lower()
         if lower in (b"content-length", b"transfer-encoding"):
             self._framed = True
@@ -140,7 +147,7 @@ class _Connection(asyncio.Protocol):
     def _too_big(self) -> MetricsPageUnusable:
         return MetricsPageUnusable(f"metrics page over {self._max_bytes} bytes")
 
-    def _fail(self, error: MetricsPageError) -> None:
+    def _fail(self, error: MetricsPageError | TimeoutError) -> None:
         answer, self._answer = self._answer, None
         if answer is not None and not answer.done():
             answer.set_exception(error)
@@ -158,34 +165,50 @@ class MetricsClient:
     async def get(self, address: str, port: int, request: bytes) -> tuple[int, str, bytes]:
         """(status, reason, body) of one exchange, within the timeout. A kept connection the
         engine closed while idle (its keep-alive timeout ran out as the request left) is
-        retried once on a new one; a new connection's failure is the engine's."""
-        where = (address, port)
-        async with asyncio.timeout(self._timeout_s):
-            while True:
-                reused, connection = await self._connection(where)
-                try:
-                    answer = await connection.send(request)
-                except EngineUnreachable:
-                    connection.abort()
-                    if reused:
-                        continue
-                    raise
-                except BaseException:  # unusable, timed out or cancelled: not reusable
-                    connection.abort()
-                    raise
-                if connection.closed:  # the engine said it closes this one
-                    connection.abort()
-                else:
-                    self._idle.setdefault(where, []).append(connection)
-                return answer
+        retried once on a new one; a new connection's failure is the engine's.
 
-    async def _connection(self, where: Address) -> tuple[bool, _Connection]:
+        The timeout is a timer on the answer (`_Connection.expire`), not `asyncio.timeout`
+        around the exchange: that one's bookkeeping (a context, the task's cancel and uncancel)
+        was a tenth of a scrape's CPU; a connection still being opened (rare: connections are
+        kept) waits under `asyncio.timeout_at` for what is left of the same deadline."""
+        where = (address, port)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        while True:
+            reused, connection = self._kept(where)
+            if connection is None:
+                async with asyncio.timeout_at(deadline):
+                    connection = await self._open(loop, where)
+            answer = connection.send(request)
+            timer = loop.call_at(deadline, connection.expire)
+            try:
+                result = await answer
+            except EngineUnreachable:
+                connection.abort()
+                if reused:
+                    continue
+                raise
+            except BaseException:  # unusable, timed out or cancelled: not reusable
+                connection.abort()
+                raise
+            finally:
+                timer.cancel()
+            if connection.closed:  # the engine said it closes this one
+                connection.abort()
+            else:
+                self._idle.setdefault(where, []).append(connection)
+            return result
+
+    def _kept(self, where: Address) -> tuple[bool, _Connection | None]:
+        """(True, a kept connection still open), else (False, None)."""
         idle = self._idle.get(where)
         while idle:
             connection = idle.pop()
             if not connection.closed:
                 return True, connection
-        loop = asyncio.get_running_loop()
+        return False, None
+
+    async def _open(self, loop: asyncio.AbstractEventLoop, where: Address) -> _Connection:
         max_bytes = self._max_bytes
         try:
             _, connection = await loop.create_connection(
@@ -193,7 +216,7 @@ class MetricsClient:
             )
         except OSError as exc:  # refused, unreachable, no such host
             raise EngineUnreachable(repr(exc)) from exc
-        return False, connection
+        return connection
 
     def keep_only(self, addresses: Iterable[Address]) -> None:
         """Close the kept connections of engines no longer scraped."""

@@ -180,6 +180,67 @@ async def test_a_refused_connection_is_unreachable_and_a_silent_one_times_out(
         )
 
 
+async def test_an_answer_cut_off_by_the_deadline_times_out_and_its_connection_is_dropped(
+    raw_serve: RawServe,
+) -> None:
+    """The deadline covers the whole answer, not only its first bytes: an engine that sends its
+    headers and then stalls times out, and the half-read connection is not kept (the next
+    scrape opens a new one and reads a whole answer)."""
+    connections = 0
+
+    async def stall_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await _read_request(reader)
+        if connections == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nx 1")
+            await writer.drain()
+            await reader.read()  # stalls until the client drops it
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\ny 2\n")
+        await writer.drain()
+        await reader.read()
+
+    port = await raw_serve(stall_once)
+    client = _client(timeout_s=0.2)
+    request = request_bytes("127.0.0.1", port, "/metrics")
+    with pytest.raises(TimeoutError):
+        await client.get("127.0.0.1", port, request)
+    assert (await client.get("127.0.0.1", port, request))[2] == b"y 2\n"
+    client.close()
+    assert connections == 2
+
+
+async def test_a_cancelled_get_leaves_no_connection_behind(raw_serve: RawServe) -> None:
+    """A scrape cancelled mid-answer (the gateway stopping) drops its connection, and the
+    cancellation is not turned into a timeout later."""
+    connections = 0
+    asked = asyncio.Event()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await _read_request(reader)
+        asked.set()
+        await reader.read()
+
+    port = await raw_serve(slow)
+    client = _client(timeout_s=0.3)
+    get = asyncio.create_task(
+        client.get("127.0.0.1", port, request_bytes("127.0.0.1", port, "/metrics"))
+    )
+    await asked.wait()
+    get.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await get
+    await asyncio.sleep(0.4)  # past the deadline: its timer must not fire on anything
+    assert not any(client._idle.values())
+    with pytest.raises(TimeoutError):
+        await client.get("127.0.0.1", port, request_bytes("127.0.0.1", port, "/metrics"))
+    client.close()
+    assert connections == 2
+
+
 @pytest.mark.parametrize(
     ("answer", "why"),
     [

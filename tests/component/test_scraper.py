@@ -25,7 +25,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 
 from plugin.adapters.discovery import parse_pods
-from plugin.adapters.scraper import MetricsScraper, parse_engine_metrics
+from plugin.adapters.scraper import (
+    _WANTED,
+    _WANTED_SAMPLE,
+    MetricsScraper,
+    parse_engine_metrics,
+)
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.strategies import Route, build_strategies
@@ -412,6 +417,18 @@ def test_parse_engine_metrics_raises_nothing_but_value_error(text: str) -> None:
         return  # a failed scrape, which the scraper counts
     for value in (result.running, result.waiting, result.kv_usage):
         assert value is None or isinstance(value, float)
+
+
+def test_every_wanted_name_and_only_it_is_read() -> None:
+    """The names are matched as a prefix tree (`_name_pattern`): each wanted name is read, and
+    a longer name that starts with it, or a shorter one it starts with, is not."""
+    for name in sorted(_WANTED):
+        page = (
+            f'{name}{{engine="0"}} 3\n{name}_extra{{engine="0"}} 99\n{name[:-1]} 98\n'
+            f"# {name} 97\n{name}\t5\n"
+        )
+        found = _WANTED_SAMPLE.findall("\n" + page)
+        assert [(n, rest.strip()) for n, _, rest in found] == [(name, "3"), (name, "5")], name
 
 
 # --- MetricsScraper against real HTTP servers ---------------------------------------------------
