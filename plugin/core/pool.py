@@ -172,6 +172,7 @@ class PodPool:
             record.cap.full_at(pod.max_num_seqs),
             record.load + self._remote_load.get(key, 0.0),
             self._profile_of(pod),
+            prefill_free_at=record.prefill_free_at,
         )
 
     def _profile_of(self, pod: Pod) -> GpuProfile | None:
@@ -244,6 +245,7 @@ class PodPool:
         candidate = state.view.slots[order]
         running = record.inflight + self._remote.get(key, 0)
         load = record.load + self._remote_load.get(key, 0.0)
+        candidate.prefill_free_at = record.prefill_free_at  # no index orders by it
         if candidate.running != running or candidate.load != load:
             candidate.running = running
             candidate.load = load
@@ -255,16 +257,26 @@ class PodPool:
         load: float = 0.0,
         prompt_tokens: int = 0,
         streaming_load: float | None = None,
+        now: float | None = None,
     ) -> Lease:
         """Take an in-flight slot on `pod`; `load` is the request's share of it (SLO routing)
         until its response streams, `streaming_load` from then on (`Lease.streaming`; None: the
-        same), `prompt_tokens` its prompt's (what the engine prefills before its first chunk)."""
+        same), `prompt_tokens` its prompt's (what the engine prefills before its first chunk).
+        With `now` (a request routed here, not one adopted from another gateway) its prompt
+        joins the pod's prefill queue (`Candidate.prefill_free_at`)."""
         key = pod.key
         record = self._records.get(key)
         if record is None:  # a pod the caller knows and discovery no longer lists
             record = self._records[key] = PodRecord(listed=False)
         prompt_tokens = max(prompt_tokens, 0)
         record.take(load, prompt_tokens)
+        if now is not None and prompt_tokens and record.slot is not None:
+            state, order = record.slot
+            profile = state.view.slots[order].profile
+            speed = None if profile is None else profile.prefill_tokens_per_s
+            if speed:
+                start = max(now, record.prefill_free_at)
+                record.prefill_free_at = start + prompt_tokens / speed
         self._inflight_changed(key, record)
         return Lease(self, pod, load, prompt_tokens, streaming_load)
 

@@ -148,6 +148,7 @@ class PodRecord:
     # This gateway's leases on the pod.
     inflight: int = 0
     inflight_prompt: int = 0  # their prompt tokens (`Lease.prompt_tokens`)
+    prefill_free_at: float = 0.0  # `Candidate.prefill_free_at`
     streaming_prompt: int = 0  # of those, the ones whose first chunk came (prefilled)
     # Its responses this gateway watches between their first chunk and their end, and when the
     # last chunk of any came (`PodPool.silent`: a hung engine sends none).

@@ -133,11 +133,14 @@ class GpuProfile:
     late_tputs: Grid = field(init=False, repr=False, compare=False)
     # `slos` as latency targets (`SloTarget.from_slos`); derived once, read on every SLO fit.
     target: SloTarget = field(init=False, repr=False, compare=False)
+    # Prompt tokens a replica prefills a second (`prefill_speed`); derived, None if unknown.
+    prefill_tokens_per_s: float | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mix_tputs", mix_rates(self.tputs, self.in_ticks))
         object.__setattr__(self, "late_tputs", late_rates(self.mix_tputs, self.in_ticks))
         object.__setattr__(self, "target", SloTarget.from_slos(self.slos))
+        object.__setattr__(self, "prefill_tokens_per_s", prefill_speed(self))
 
     def to_json(self) -> dict[str, Any]:
         """The document AIBrix writes (same keys, same order), then `e2e_idle` when known."""
@@ -387,3 +390,23 @@ class ProfileBook:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+
+def prefill_speed(profile: GpuProfile) -> float | None:
+    """Prompt tokens a replica prefills a second, read off the grid's shortest answers: the
+    most over the prompt sizes of tokens over seconds (the largest prompt usually, where a
+    step's fixed cost weighs least), each from the idle E2E where measured, else the E2E at
+    the cell's rate (slower: it holds queueing, so the speed reads low), else the TTFT. A
+    one-token answer's E2E is its prefill. None without any usable time."""
+    best = None
+    for grid in (profile.e2e_idle, profile.e2e, profile.ttft):
+        if grid is None:
+            continue
+        row = grid[0]
+        for tokens, seconds in zip(profile.in_ticks, row, strict=True):
+            if seconds > 0 and math.isfinite(seconds):
+                speed = tokens / seconds
+                best = speed if best is None or speed > best else best
+        if best is not None:
+            return best
+    return None

@@ -451,7 +451,11 @@ class Router:
         answer = strategy.admit(candidates, request, self._rng, now)
         if type(answer) is Route:
             lease = self.pool.acquire(
-                answer.candidate.pod, answer.load, request.prompt_tokens, answer.streaming_load
+                answer.candidate.pod,
+                answer.load,
+                request.prompt_tokens,
+                answer.streaming_load,
+                now,
             )
             strategy.routed(answer.candidate, request)
             return self._decided(answer, request, asked.name, lease, now)
@@ -560,6 +564,7 @@ class Router:
                 answer.load,
                 waiter.request.prompt_tokens,
                 answer.streaming_load,
+                now,
             )
             strategy.routed(answer.candidate, waiter.request)
             decision = self._decided(answer, waiter.request, strategy.name, lease, now)

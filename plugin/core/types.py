@@ -105,6 +105,11 @@ class Candidate:
     # CPU KV-cache usage 0..1 where the engine exports it (vLLM's `vllm:cpu_cache_usage_perc`);
     # load-balance breaks ties by GPU + CPU usage, as AIBrix does. None when unknown or stale.
     cpu_kv_usage: float | None = None
+    # Clock time at which the pod will have prefilled the prompts this gateway routed to it,
+    # as a queue served in arrival order at its profile's prefill speed
+    # (`GpuProfile.prefill_tokens_per_s`): a request routed now waits for that before its own
+    # prefill (an engine gives prefills a step's token budget in arrival order). 0: nothing.
+    prefill_free_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

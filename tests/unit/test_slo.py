@@ -112,6 +112,21 @@ def strategy(router: Router, name: str) -> Strategy:
     return router.strategy_for(name)
 
 
+def routed_once(
+    router: Router, clock: Clock, name: str, path: str, waited: float = 0.0, **kw: object
+) -> str:
+    """The pod `name` routes a request to (`kw`: the request's fields; `waited`: seconds since
+    it arrived), through the view or, with `path` "list", the list path (a pod selector); its
+    lease released at once."""
+    request = req(clock, arrived_at=clock.t - waited, **kw)
+    if path == "list":
+        request = dataclasses.replace(request, pod_selector=parse_selector("gpu"))
+    decision = router.admit(request, strategy(router, name))
+    assert isinstance(decision, Decision)
+    decision.lease.release()
+    return decision.lease.pod.key
+
+
 def test_history_predicts_the_modal_output_bucket_of_the_same_input_size() -> None:
     h = OutputHistory(window_s=240.0)
     assert h.predict(MODEL, 100, 0.0) is None
@@ -451,13 +466,7 @@ def test_pulling_prefers_a_gpu_type_that_meets_the_slo_however_long_the_answer_r
     pool.acquire(ff, load=0.7)
 
     def routed_to(name: str, max_tokens: int | None, waited: float = 0.0) -> str:
-        request = req(clock, max_tokens=max_tokens, arrived_at=clock.t - waited)
-        if path == "list":
-            request = dataclasses.replace(request, pod_selector=parse_selector("gpu"))
-        decision = router.admit(request, strategy(router, name))
-        assert isinstance(decision, Decision)
-        decision.lease.release()
-        return decision.lease.pod.key
+        return routed_once(router, clock, name, path, max_tokens=max_tokens, waited=waited)
 
     assert routed_to("slo", 512) == "ns/f"
     assert routed_to("slo-least-load-pulling", 512) == "ns/f"
@@ -502,6 +511,56 @@ def test_where_no_gpu_type_makes_the_longest_answer_the_pick_is_as_without_the_r
     pool.acquire(c, load=0.38)
     routed = router.admit(req(clock, prompt_tokens=4096, max_tokens=512), strategy(router, "slo"))
     assert isinstance(routed, Decision) and routed.lease.pod.key == "ns/b"
+
+
+@pytest.mark.parametrize("path", ["view", "list"])
+def test_pulling_prefers_a_gpu_type_with_no_prefill_in_the_way(path: str) -> None:
+    """A 640-token prompt routed to the fast pod takes 5 s to prefill there (its profile
+    prefills 128 tokens in 1 s, its E2E at the request's cell); the next request, with about
+    4 s of slack on the fast type, goes to the slow one although the fast pod is less loaded,
+    and goes back once the queue has run down below its slack. `slo-least-load` keeps the
+    least loaded; with no pod of another type with room the pick is as without the rule."""
+    f, s = pod("f", "fast"), pod("s", "slow")
+    router, pool, clock, _ = setup(f, s)
+    pool.acquire(s, load=0.3)
+
+    def routed_to(name: str, prompt_tokens: int = 128, waited: float = 0.0) -> str:
+        return routed_once(router, clock, name, path, prompt_tokens=prompt_tokens, waited=waited)
+
+    # Each routed prompt queues its tokens at 128 a second on its pod; the slack of a request
+    # is the 5 s E2E SLO less its 1 s E2E.
+    assert routed_to("slo") == "ns/f"  # nothing queued: the least loaded (f: 1 s queued)
+    assert routed_to("slo", prompt_tokens=640) == "ns/f"  # f: 6 s
+    assert routed_to("slo") == "ns/s"  # 6 s > 4 s on f (s: 1 s)
+    assert routed_to("slo-least-load-pulling") == "ns/s"  # (s: 2 s)
+    assert routed_to("slo-least-load") == "ns/f"  # (f: 7 s)
+    clock.t += 0.5  # f: 6.5 s left
+    assert routed_to("slo") == "ns/s"  # (s: 2.5 s left)
+    clock.t += 3.0  # f: 3.5 s left, within the slack
+    assert routed_to("slo", waited=1.0) == "ns/s"  # but not within what a wait left (s: 1 s)
+    assert routed_to("slo") == "ns/f"  # (f: 4.5 s)
+    assert routed_to("slo", prompt_tokens=640) == "ns/s"  # f: 4.5 s > 4 s (s: 6 s)
+    assert routed_to("slo") == "ns/f"  # s: 6 s, f: 4.5 s: neither clear, the least loaded
+    pool.acquire(s, load=0.65)  # 0.95 + 0.5 > 1: no room on the slow pod
+    clock.t += 10.0
+    assert routed_to("slo", prompt_tokens=640) == "ns/f"  # f: 5 s
+    assert routed_to("slo") == "ns/f"  # past its slack, but the only pod with room
+
+
+def test_a_profile_s_prefill_speed_is_read_off_its_shortest_answers() -> None:
+    """Tokens over seconds of the first output row, the most over the prompt sizes: from the
+    idle E2E where measured, else the E2E at the cell's rate, else the TTFT; None without."""
+    base = long_and_short_profile()
+    assert base.in_ticks == (64, 4096)
+    e2e_row = base.e2e[0] if base.e2e is not None else ()
+    assert base.prefill_tokens_per_s == pytest.approx(
+        max(t / e for t, e in zip(base.in_ticks, e2e_row, strict=True))
+    )
+    idle = dataclasses.replace(base, e2e_idle=((0.1, 0.5),))
+    assert idle.prefill_tokens_per_s == pytest.approx(4096 / 0.5)
+    only_ttft = dataclasses.replace(base, e2e=None, ttft=((0.05, 0.25),))
+    assert only_ttft.prefill_tokens_per_s == pytest.approx(4096 / 0.25)
+    assert dataclasses.replace(base, e2e=None, ttft=None).prefill_tokens_per_s is None
 
 
 def test_history_drives_the_cell() -> None:

@@ -414,6 +414,8 @@ class SloStrategy(Strategy):
         room = [f for f in servable if _has_room(least_load(f), f.consumption)]
         if self.mode == "pulling" and len(room) > 1:  # GPU types that make it at any length
             room = _longest_answer_fits(room, request, output, waited) or room
+        if self.mode == "pulling" and len(room) > 1:  # ... and with no prefill in its way
+            room = _clear_of_prefills(room, now, waited) or room
         if not room and self.mode == "pulling":  # before holding it: a burst the profile took
             room = [f for f in servable if _has_room(least_load(f), f.consumption, burst_room(f))]
         if self.mode == "least" or (self.mode == "pack" and not room):
@@ -468,12 +470,7 @@ def _longest_answer_fits(
     if longest is None or longest <= output:
         return list(fits)
     verdicts: dict[int, bool] = {}
-    least: dict[int, SloFit] = {}
-    for f in fits:
-        known = least.get(id(f.profile))
-        if known is None or f.candidate.load < known.candidate.load:
-            least[id(f.profile)] = f
-    for key, f in least.items():
+    for key, f in _least_per_profile(fits).items():
         profile = f.profile
         cell = profile.cell(request.prompt_tokens, longest)
         if cell == f.cell:  # the predicted cell, which `f` already meets
@@ -483,6 +480,33 @@ def _longest_answer_fits(
         verdicts[key] = profile.tputs[i][j] > 0 and (
             _slack_at(f.candidate, profile, request, cell, longest, _share(profile, i, j)) >= waited
         )
+    return [f for f in fits if verdicts[id(f.profile)]]
+
+
+def _least_per_profile(fits: Sequence[SloFit]) -> dict[int, SloFit]:
+    """Per GPU type (profile, by identity), the fit of its least loaded pod among `fits`."""
+    least: dict[int, SloFit] = {}
+    for f in fits:
+        known = least.get(id(f.profile))
+        if known is None or f.candidate.load < known.candidate.load:
+            least[id(f.profile)] = f
+    return least
+
+
+def _clear_of_prefills(fits: Sequence[SloFit], now: float, waited: float) -> list[SloFit]:
+    """Of `fits`, those whose GPU type's least loaded pod would start the request's prefill
+    soon enough: the prompts routed to it before, queued at its prefill speed
+    (`Candidate.prefill_free_at`), leave the request's slack.
+
+    A profile's cells are measured with one size at a time, so a short request's cell says
+    nothing of a 16k-token prompt routed to the same pod a moment before: engines prefill in
+    arrival order, and the short one's first token waits for the long prefill (in the
+    simulator, most of what `slo` still served late). Judged once per GPU type, at the pod the
+    pulling strategies route to, as `_longest_answer_fits` does."""
+    verdicts = {
+        key: f.slack_s - waited >= max(0.0, f.candidate.prefill_free_at - now)
+        for key, f in _least_per_profile(fits).items()
+    }
     return [f for f in fits if verdicts[id(f.profile)]]
 
 
