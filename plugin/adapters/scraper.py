@@ -184,19 +184,6 @@ def _engine(series: str) -> tuple[tuple[str, str], ...]:
     return known
 
 
-# Each wanted sample's place: the field it feeds (an index into `_FIELDS`) and its rank among
-# that field's names (first match wins). A histogram's sum and count are two fields whose names
-# pair up by rank.
-_FIELDS = (
-    _RUNNING, _WAITING, _KV, _CPU_KV, _GENERATED, _MAX_BATCH,
-    _QUEUE_SUM, _QUEUE_COUNT, _ITL_SUM, _ITL_COUNT,
-)  # fmt: skip
-_PLACE = {
-    name: (field, rank) for field, names in enumerate(_FIELDS) for rank, name in enumerate(names)
-}
-_GENERATED_AT, _MAX_BATCH_AT, _KV_AT, _CPU_KV_AT = 4, 5, 2, 3
-
-
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """Combine each wanted sample across label sets (one pod may label by model or by engine).
 
@@ -204,12 +191,9 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     (say, data-parallel engines) are averaged. Token counters of tensor-parallel ranks of one
     engine count once. A NaN label set is skipped rather than spoiling the others. A malformed
     sample raises ValueError.
-
-    Runs for every scraped pod every tick, so it makes one pass over the samples and one over
-    the names found (not one lookup per field and alternative name).
     """
     found: dict[str, list[float]] = {}
-    generated: dict[str, dict[tuple[tuple[str, str], ...], float]] | None = None
+    generated: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for name, labels, rest in _WANTED_SAMPLE.findall("\n" + text):
         fields = rest.split(None, 1)
         if not fields:
@@ -217,53 +201,28 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         value = float(fields[0])
         # A garbled label set fails the page.
         engine = _engine(name + labels) if labels else ()
-        if value != value:  # NaN: skipped
+        if value != value or (value < 1 and name in _MAX_BATCH):  # NaN: skipped
             continue
-        field = _PLACE[name][0]
-        if field == _GENERATED_AT:
-            if generated is None:
-                generated = {}
+        if name in _GENERATED:
             per_engine = generated.setdefault(name, {})
             per_engine[engine] = max(value, per_engine.get(engine, value))
-        elif field != _MAX_BATCH_AT or value >= 1:
-            values = found.get(name)
-            if values is None:
-                found[name] = [value]
-            else:
-                values.append(value)
-    if generated is not None:
-        for name, per_engine in generated.items():
-            found[name] = list(per_engine.values())
+        else:
+            found.setdefault(name, []).append(value)
+    for name, per_engine in generated.items():
+        found[name] = list(per_engine.values())
     if not found:
         return _NOTHING
-    # Per field, the first of its names on the page: (rank, name).
-    first: list[tuple[int, str] | None] = [None] * len(_FIELDS)
-    for name in found:
-        field, rank = _PLACE[name]
-        held = first[field]
-        if held is None or rank < held[0]:
-            first[field] = (rank, name)
-    value_of = [
-        None
-        if held is None
-        else (
-            sum(found[held[1]]) / len(found[held[1]])
-            if field in (_KV_AT, _CPU_KV_AT)
-            else sum(found[held[1]])
-        )
-        for field, held in enumerate(first)
-    ]
-    queue_sum, queue_count = _pair(found, 6)
-    latency_sum, latency_count = _pair(found, 8)
-    generated_by = first[_GENERATED_AT]
+    queue_sum, queue_count = _pair(found, _QUEUE_SUM, _QUEUE_COUNT)
+    latency_sum, latency_count = _pair(found, _ITL_SUM, _ITL_COUNT)
+    generated_by = next((n for n in _GENERATED if n in found), None)
     return EngineMetrics(
-        running=value_of[0],
-        waiting=value_of[1],
-        kv_usage=value_of[2],
-        cpu_kv_usage=value_of[3],
-        generation_tokens=value_of[4],
-        generation_tokens_stepwise=generated_by is not None and generated_by[1] in _STEPWISE,
-        max_batch=value_of[5],
+        running=_first(found, _RUNNING),
+        waiting=_first(found, _WAITING),
+        kv_usage=_first(found, _KV, mean=True),
+        cpu_kv_usage=_first(found, _CPU_KV, mean=True),
+        generation_tokens=_first(found, _GENERATED),
+        max_batch=_first(found, _MAX_BATCH),
+        generation_tokens_stepwise=generated_by in _STEPWISE,
         queue_time_sum=queue_sum,
         queue_time_count=queue_count,
         token_latency_sum=latency_sum,
@@ -271,10 +230,22 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     )
 
 
-def _pair(found: dict[str, list[float]], at: int) -> tuple[float | None, float | None]:
-    """A histogram's sum and count (the fields at `at` and `at + 1`), both from the first
-    family that has both."""
-    for total, count in zip(_FIELDS[at], _FIELDS[at + 1], strict=True):
+def _first(
+    found: dict[str, list[float]], names: tuple[str, ...], mean: bool = False
+) -> float | None:
+    """The first of these samples on the page, summed (or averaged) over its label sets."""
+    for name in names:
+        values = found.get(name)
+        if values:
+            return sum(values) / len(values) if mean else sum(values)
+    return None
+
+
+def _pair(
+    found: dict[str, list[float]], sums: tuple[str, ...], counts: tuple[str, ...]
+) -> tuple[float | None, float | None]:
+    """A histogram's sum and count, both from the first family that has both."""
+    for total, count in zip(sums, counts, strict=True):
         if total in found and count in found:
             return sum(found[total]), sum(found[count])
     return None, None
