@@ -88,8 +88,7 @@ def _learned_caps(
                     running=engine.num_running, waiting=engine.num_waiting, kv_usage=engine.kv_usage
                 )
                 if histograms:
-                    metrics = dataclasses.replace(
-                        metrics,
+                    metrics = metrics._replace(
                         queue_time_sum=queue_sum,
                         queue_time_count=queue_count,
                         token_latency_sum=latency_sum,

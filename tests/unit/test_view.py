@@ -142,7 +142,7 @@ def test_view_and_indexes_match_the_plain_pass(seed: int, n: int) -> None:
                 running, rng.choice(WAITING), rng.choice(KV), rng.choice((None, 0.0, 0.3, 0.3))
             )
             if rng.random() < 0.2:  # an engine that exports its batch cap (TensorRT-LLM)
-                metrics = dataclasses.replace(metrics, max_batch=rng.choice((0.0, 2.0, 3.0)))
+                metrics = metrics._replace(max_batch=rng.choice((0.0, 2.0, 3.0)))
             pool.update_metrics(target.key, metrics, now)
         elif roll < 0.72:
             pool.credit_tokens(target.key, rng.choice((100, 100, 700)))
