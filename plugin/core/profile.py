@@ -393,20 +393,28 @@ class ProfileBook:
 
 
 def prefill_speed(profile: GpuProfile) -> float | None:
-    """Prompt tokens a replica prefills a second, read off the grid's shortest answers: the
-    most over the prompt sizes of tokens over seconds (the largest prompt usually, where a
-    step's fixed cost weighs least), each from the idle E2E where measured, else the E2E at
-    the cell's rate (slower: it holds queueing, so the speed reads low), else the TTFT. A
-    one-token answer's E2E is its prefill. None without any usable time."""
-    best = None
+    """Prompt tokens a replica prefills a second, read off the grid's shortest answers, each
+    time from the idle E2E where measured, else the E2E at the cell's rate (it holds queueing,
+    so the speed reads low), else the TTFT: the extra prompt tokens of the grid's largest
+    prompt over its smallest, over the extra seconds they took. Differencing takes out what
+    both answers share, their decode steps and a step's fixed cost: a shortest answer of 32
+    tokens is as much decode as a 4k prompt's prefill on an A100, and the largest prompt's
+    tokens over its seconds alone read half its speed. At least that plain ratio (the speed
+    with one usable prompt size), which a slope at noise level must not undercut. None without
+    any usable time."""
     for grid in (profile.e2e_idle, profile.e2e, profile.ttft):
         if grid is None:
             continue
-        row = grid[0]
-        for tokens, seconds in zip(profile.in_ticks, row, strict=True):
-            if seconds > 0 and math.isfinite(seconds):
-                speed = tokens / seconds
-                best = speed if best is None or speed > best else best
-        if best is not None:
-            return best
+        usable = [
+            (tokens, seconds)
+            for tokens, seconds in zip(profile.in_ticks, grid[0], strict=True)
+            if seconds > 0 and math.isfinite(seconds)
+        ]
+        if not usable:
+            continue
+        plain = max(tokens / seconds for tokens, seconds in usable)
+        (least, least_s), (most, most_s) = usable[0], usable[-1]
+        if most > least and most_s > least_s:
+            return max(plain, (most - least) / (most_s - least_s))
+        return plain
     return None
