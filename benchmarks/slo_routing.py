@@ -35,19 +35,23 @@ def _ms(v: float | None) -> str:
 def _table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| strategy | attainment | goodput/s | p99 TTFT ms | p99 TPOT ms | served | rejected "
-        "| served late | latest reject past deadline ms | long prompts served by |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| served late | latest reject past deadline ms | rejected behind a prefill of their "
+        "class (its first token after their arrival, ms) | long prompts served by |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
         long = run["by_kind"].get("long", {})
         by_gpu = ", ".join(f"{g} {n}" for g, n in long.get("served_by_gpu", {}).items()) or "-"
         late = run["max_reject_late_s"]
+        behind = [b for b in run.get("rejected_behind_s", []) if b is not None]
+        ahead = ", ".join(_ms(b) for b in sorted(behind))
+        behind_cell = f"{len(behind)} ({ahead})" if behind else str(len(behind))
         lines.append(
             f"| {run['strategy']} | {run['attainment']:.3f} | {run['goodput_per_s']:.2f} "
             f"| {_ms(run['p99_ttft_s'])} | {_ms(run['p99_tpot_s'])} | {run['served']} "
             f"| {run['rejected']} ({run['rejected'] / max(run['offered'], 1):.1%}) "
             f"| {run['served_late']} | {_ms(max(0.0, late) if late is not None else None)} "
-            f"| {by_gpu} |"
+            f"| {behind_cell} | {by_gpu} |"
         )
     return lines
 
@@ -66,7 +70,7 @@ def render(doc: dict[str, Any]) -> str:
         f"{', '.join(bench['presets'])} (one each, time scale {bench['time_scale']}), the plugin "
         "and a real Envoy on loopback. Each GPU type is profiled through the gateway by "
         "`profile sweep`'s steady-state search (the default) narrowed by `external-filter`, "
-        f"inputs {sweep['inputs']} x outputs {sweep['outputs']} tokens, rates "
+        f"inputs {list(sweep['inputs'])} x outputs {list(sweep['outputs'])} tokens, rates "
         f"{sweep['rates'][0]:g}..{sweep['rates'][1]:g} req/s, judged at p{bench['percentile']} "
         f"TTFT <= {bench['ttft_slo_s']} s, and built by `profile build`; "
         f"`HETERO_GATEWAY_SLO_MAX_WAIT_MS={bench['max_wait_ms']}`. Then the same mix for "

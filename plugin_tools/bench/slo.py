@@ -48,6 +48,7 @@ from plugin_tools.stats import percentile
 
 __all__ = [
     "MixResult",
+    "Sent",
     "SloBench",
     "ensure_profiles",
     "light_mix",
@@ -262,6 +263,7 @@ def score(result: MixResult, bench: SloBench, profiles: Mapping[str, GpuProfile]
 
     return {
         "strategy": result.strategy,
+        "rejected_behind_s": [_behind(s, sent) for s in rejected],
         "offered": len(sent),
         "served": len(served),
         "met": len(met),
@@ -275,6 +277,22 @@ def score(result: MixResult, bench: SloBench, profiles: Mapping[str, GpuProfile]
         "max_reject_late_s": max(past) if past else None,
         "by_kind": {c.name: by_kind(c.name) for c in bench.mix},
     }
+
+
+def _behind(rejected: Sent, sent: list[Sent]) -> float | None:
+    """For a rejected request: how long after its arrival the first token came of the latest
+    served request of its class that arrived before it and was still waiting for that token
+    (a prompt still in prefill on the GPU type that serves the class); None if none was."""
+    arrived = rejected.result.started_at
+    ahead = [
+        s.result.started_at + s.result.ttft_s - arrived
+        for s in sent
+        if s.kind == rejected.kind
+        and s.result.ok
+        and s.result.ttft_s is not None
+        and s.result.started_at < arrived < s.result.started_at + s.result.ttft_s
+    ]
+    return max(ahead) if ahead else None
 
 
 def saved_profiles(bench: SloBench, profile_dir: Path) -> dict[str, GpuProfile] | None:

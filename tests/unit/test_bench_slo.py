@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 
 from plugin.core.profile import GpuProfile
-from plugin_tools.bench.slo import SloBench, ensure_profiles, light_mix, saved_profiles
+from plugin_tools.bench.slo import (
+    MixResult,
+    Sent,
+    SloBench,
+    ensure_profiles,
+    light_mix,
+    saved_profiles,
+    score,
+)
+from plugin_tools.demo.report import RequestResult
 from plugin_tools.profile.store import write_profile
 
 pytestmark = pytest.mark.unit
@@ -51,3 +60,38 @@ def test_the_light_mix_scales_every_class_and_nothing_else() -> None:
         (c.name, c.prompt_words) for c in bench.mix
     ]
     assert light.duration_s == bench.duration_s
+
+
+def _sent(kind: str, started: float, ttft: float | None, status: int = 200) -> Sent:
+    error = None if status == 200 else "the SLO of this request can no longer be met"
+    return Sent(
+        kind,
+        RequestResult(
+            replica="a100-0" if status == 200 else None,
+            status=status,
+            started_at=started,
+            ttft_s=ttft,
+            latency_s=(ttft or 0.0) + 0.1 if status == 200 else 0.5,
+            output_tokens=32 if status == 200 else 0,
+            error=error,
+        ),
+    )
+
+
+def test_a_reject_is_told_behind_the_prefill_of_its_own_class() -> None:
+    """A rejected long prompt that arrived while an earlier long prompt still waited for its
+    first token is reported with how long that token took after its arrival; a short prompt
+    in prefill at the time is no reason, nor is a long prompt already streaming."""
+    bench = SloBench()
+    sent = [
+        _sent("long", 10.0, 0.9),  # first token at 10.9
+        _sent("long", 10.2, 0.6),  # first token at 10.8
+        _sent("short", 10.25, 0.5),  # another class: ignored
+        _sent("long", 10.3, None, status=503),  # behind both: the later token counts
+        _sent("long", 11.0, None, status=503),  # both long prompts stream by then
+    ]
+    scored = score(MixResult("slo", sent), bench, {})
+    behind = scored["rejected_behind_s"]
+    assert len(behind) == 2
+    assert behind[0] == pytest.approx(0.6)
+    assert behind[1] is None
