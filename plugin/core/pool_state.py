@@ -319,6 +319,9 @@ class PodRecord:
             "inflight": self.inflight,
             "inflight_remote": remote,
             "load": round(self.load, 6),
+            # Seconds until the prompts this gateway routed here are prefilled, at the GPU
+            # profile's prefill speed (`Candidate.prefill_free_at`; 0: none queued).
+            "prefill_queue_s": round(max(0.0, self.prefill_free_at - now), 3),
             "routed_total": self.routed,
             "output_tokens_total": self.counted,
             "output_tokens_estimated": self.estimated,

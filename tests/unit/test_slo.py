@@ -536,6 +536,12 @@ def test_pulling_prefers_a_gpu_type_with_no_prefill_in_the_way(path: str) -> Non
     assert routed_to("slo-least-load-pulling") == "ns/s"  # (s: 2 s)
     assert routed_to("slo-least-load") == "ns/f"  # (f: 7 s)
     clock.t += 0.5  # f: 6.5 s left
+
+    def queued() -> tuple[float, float]:  # as /debug/pods shows the queues
+        pods = pool.snapshot(clock.t)["pods"]
+        return pods["ns/f"]["prefill_queue_s"], pods["ns/s"]["prefill_queue_s"]
+
+    assert queued() == pytest.approx((6.5, 1.5))
     assert routed_to("slo") == "ns/s"  # (s: 2.5 s left)
     clock.t += 3.0  # f: 3.5 s left, within the slack
     assert routed_to("slo", waited=1.0) == "ns/s"  # but not within what a wait left (s: 1 s)
@@ -544,6 +550,7 @@ def test_pulling_prefers_a_gpu_type_with_no_prefill_in_the_way(path: str) -> Non
     assert routed_to("slo") == "ns/f"  # s: 6 s, f: 4.5 s: neither clear, the least loaded
     pool.acquire(s, load=0.65)  # 0.95 + 0.5 > 1: no room on the slow pod
     clock.t += 10.0
+    assert queued() == (0.0, 0.0)  # both queues ran down
     assert routed_to("slo", prompt_tokens=640) == "ns/f"  # f: 5 s
     assert routed_to("slo") == "ns/f"  # past its slack, but the only pod with room
 
