@@ -1,0 +1,245 @@
+"""Admission's pure rules: who sent a request, which priority class it waits in, and which
+waiting request goes next (issue 31; the router does not call these yet).
+
+- **Tenant.** The value of a configured header (an auth layer in front of the gateway sets it),
+  else the request's bearer token looked up by its SHA-256 digest in the operator's table (the
+  token itself is never kept, logged or exported: `token_digest` is what the table holds), else
+  the default tenant. A header value is taken as given: the operator decides whether clients may
+  set it (Envoy can strip it from outside traffic).
+- **Class.** Classes are ranked, highest first (`interactive`, `batch`, say). A tenant waits in
+  its own class (the operator's table, else the default class); a request may ask for another by
+  header only where its tenant is allowed to, and never above the highest its tenant may use.
+- **Fair order in GPU time.** Within a class the next request is the oldest one of the tenant
+  with the least recent usage per weight (virtual-time fair queuing, as AIBrix's VTC strategy
+  does with token counts), usage counted in GPU-seconds: prompt tokens over the serving
+  replica's prefill speed plus output tokens over its learned decode throughput (`gpu_seconds`).
+  A token on a replica that learned 500 tokens/s holds the GPU three times as long as one on a
+  replica at 1,600 (DESIGN.md section 10): counting tokens or requests, a tenant whose requests
+  land on the slow type gets a third of the GPU time of one on the fast type. A tenant is
+  charged an estimate when its request is dispatched and the difference when it ends
+  (`FairQueue.charge`), so a long stream counts from its start. A tenant that starts waiting
+  after an idle spell starts at the least usage among those waiting: idling earns no credit
+  (VTC's counter lift), and a newcomer does not jump ahead of everyone for as long as its
+  zero counter lasts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "ClassTable",
+    "FairQueue",
+    "Tenancy",
+    "gpu_seconds",
+    "token_digest",
+]
+
+DEFAULT_TENANT = "default"
+_BEARER = "bearer "
+
+T = TypeVar("T")
+
+
+def token_digest(token: str) -> str:
+    """What the tenant table holds for a bearer token: its SHA-256, hex."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """How a request's tenant is found (module docstring)."""
+
+    header: str | None = None  # lower-case header name, e.g. "x-tenant"; None: not read
+    tokens: Mapping[str, str] = field(default_factory=dict)  # token digest -> tenant
+    default: str = DEFAULT_TENANT
+
+    def tenant(self, header_value: str | None, authorization: str | None) -> str:
+        """The tenant of a request with this header value and `authorization` header."""
+        if self.header is not None and header_value:
+            return header_value
+        if self.tokens and authorization and authorization[:7].lower() == _BEARER:
+            token = authorization[7:].strip()
+            if token:
+                found = self.tokens.get(token_digest(token))
+                if found is not None:
+                    return found
+        return self.default
+
+
+@dataclass(frozen=True, slots=True)
+class ClassTable:
+    """Priority classes, highest first, and which tenant waits in which."""
+
+    names: tuple[str, ...] = ("default",)
+    tenants: Mapping[str, str] = field(default_factory=dict)  # tenant -> its class
+    default: str = "default"  # the class of a tenant the table does not name
+    # Tenants that may ask for a class by header, and the highest each may ask for.
+    may_ask: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise ValueError(f"priority classes must be distinct and at least one: {self.names}")
+        named = {self.default, *self.tenants.values(), *self.may_ask.values()}
+        unknown = sorted(named - set(self.names))
+        if unknown:
+            raise ValueError(f"unknown priority class {unknown[0]!r}; classes: {self.names}")
+
+    def rank(self, tenant: str, asked: str | None = None) -> int:
+        """The class a request waits in, as its rank (0 is the highest): its tenant's, or the
+        one it asked for where its tenant may ask, no higher than the tenant's ceiling. An
+        unknown class asked for is ignored (the tenant's own applies)."""
+        names = self.names
+        own = names.index(self.tenants.get(tenant, self.default))
+        ceiling = self.may_ask.get(tenant)
+        if asked is None or ceiling is None or asked not in names:
+            return own
+        return max(names.index(asked), names.index(ceiling))
+
+
+def gpu_seconds(
+    prompt_tokens: int,
+    output_tokens: int,
+    decode_tokens_per_s: float | None,
+    prefill_tokens_per_s: float | None = None,
+) -> float:
+    """GPU time a request took on the replica that served it: output tokens over the replica's
+    learned throughput (its whole batch's, so a token's share of the GPU), plus prompt tokens
+    over its prefill speed where known. 0 for what no speed prices: a replica not learned yet
+    charges nothing rather than a guess."""
+    spent = 0.0
+    if decode_tokens_per_s is not None and decode_tokens_per_s > 0:
+        spent += max(output_tokens, 0) / decode_tokens_per_s
+    if prefill_tokens_per_s is not None and prefill_tokens_per_s > 0:
+        spent += max(prompt_tokens, 0) / prefill_tokens_per_s
+    return spent if math.isfinite(spent) else 0.0
+
+
+@dataclass(slots=True)
+class _Waiting(Generic[T]):
+    item: T
+    tenant: str
+    rank: int
+    seq: int
+
+
+class FairQueue(Generic[T]):
+    """Waiting requests by class, then tenant usage per weight (module docstring).
+
+    `push` and `remove` are O(1) (amortised); `pop` is O(tenants waiting in the top class).
+    Usage is kept for every tenant seen and forgotten by `forget_idle` (bounded by the caller).
+    """
+
+    __slots__ = ("_by_rank", "_items", "_seq", "usage", "weights")
+
+    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+        self.weights = dict(weights or {})
+        for tenant, weight in self.weights.items():
+            if not weight > 0 or not math.isfinite(weight):
+                raise ValueError(f"the weight of tenant {tenant!r} must be positive: {weight}")
+        self.usage: dict[str, float] = {}  # tenant -> GPU-seconds charged / weight
+        # rank -> tenant -> its waiting requests, oldest first (tenants with none removed)
+        self._by_rank: dict[int, dict[str, deque[_Waiting[T]]]] = {}
+        self._items: dict[int, _Waiting[T]] = {}  # id(item) -> entry
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[T]:
+        return (w.item for w in self._items.values())
+
+    def waiting(self, rank: int | None = None) -> int:
+        """Requests waiting, in one class or all."""
+        if rank is None:
+            return len(self._items)
+        return sum(len(q) for q in self._by_rank.get(rank, {}).values())
+
+    def push(self, item: T, tenant: str, rank: int) -> None:
+        """`item` waits in class `rank` for `tenant`. A tenant with nothing waiting in that
+        class starts at the least usage among those that have (no credit for idling)."""
+        if id(item) in self._items:
+            raise ValueError("this request already waits")
+        tenants = self._by_rank.setdefault(rank, {})
+        if tenant not in tenants:
+            floor = min((self.usage.get(t, 0.0) for t in tenants), default=None)
+            if floor is not None and self.usage.get(tenant, 0.0) < floor:
+                self._set_usage(tenant, floor)
+        entry = _Waiting(item, tenant, rank, next(self._seq))
+        tenants.setdefault(tenant, deque()).append(entry)
+        self._items[id(item)] = entry
+
+    def pop(self) -> tuple[T, str] | None:
+        """The next request and its tenant: the highest class with any waiting, in it the
+        tenant with the least usage (ties: the one whose oldest request came first), its
+        oldest request. None when none waits."""
+        if not self._by_rank:
+            return None
+        rank = min(self._by_rank)
+        tenants = self._by_rank[rank]
+        tenant = self._next_tenant(tenants)
+        queue = tenants[tenant]
+        entry = queue.popleft()
+        if not queue:
+            del tenants[tenant]
+            if not tenants:
+                del self._by_rank[rank]
+        del self._items[id(entry.item)]
+        return entry.item, tenant
+
+    def peek(self) -> T | None:
+        """What `pop` would return next, left waiting."""
+        if not self._by_rank:
+            return None
+        tenants = self._by_rank[min(self._by_rank)]
+        return tenants[self._next_tenant(tenants)][0].item
+
+    def remove(self, item: T) -> bool:
+        """Take `item` out (it was cancelled or timed out); False if it was not waiting."""
+        entry = self._items.pop(id(item), None)
+        if entry is None:
+            return False
+        tenants = self._by_rank[entry.rank]
+        queue = tenants[entry.tenant]
+        queue.remove(entry)  # O(its tenant's queue): removals are the rare path
+        if not queue:
+            del tenants[entry.tenant]
+            if not tenants:
+                del self._by_rank[entry.rank]
+        return True
+
+    def charge(self, tenant: str, gpu_s: float) -> None:
+        """Add GPU-seconds to `tenant`'s usage (an estimate at dispatch; the difference,
+        possibly negative, when the request ends), scaled by its weight (default 1)."""
+        if not math.isfinite(gpu_s):
+            return
+        weight = self.weights.get(tenant, 1.0)
+        self._set_usage(tenant, max(0.0, self.usage.get(tenant, 0.0) + gpu_s / weight))
+
+    def forget_idle(self, keep: int) -> None:
+        """Drop the usage of the least recently charged tenants with nothing waiting until at
+        most `keep` are left (a bound on memory for many tenants; a dropped tenant that returns
+        while others wait starts at their floor anyway)."""
+        excess = len(self.usage) - keep
+        if excess <= 0:
+            return
+        waiting = {e.tenant for e in self._items.values()}
+        for tenant in [t for t in self.usage if t not in waiting][:excess]:
+            del self.usage[tenant]
+
+    def _next_tenant(self, tenants: dict[str, deque[_Waiting[T]]]) -> str:
+        """Of the tenants waiting in one class: the least usage, then the oldest request."""
+        usage = self.usage
+        return min(tenants, key=lambda t: (usage.get(t, 0.0), tenants[t][0].seq))
+
+    def _set_usage(self, tenant: str, value: float) -> None:
+        """Set and move to the end: `usage` is kept in order of last change."""
+        self.usage.pop(tenant, None)
+        self.usage[tenant] = value
