@@ -15,7 +15,7 @@ waiting request goes next (issue 31; the router does not call these yet).
   replica's prefill speed plus output tokens over its learned decode throughput (`gpu_seconds`).
   A token on a replica that learned 500 tokens/s holds the GPU three times as long as one on a
   replica at 1,600 (DESIGN.md section 10): counting tokens or requests, a tenant whose requests
-  land on the slow type gets a third of the GPU time of one on the fast type. A tenant is
+  land on the slow type gets three times the GPU time of one on the fast type. A tenant is
   charged an estimate when its request is dispatched and the difference when it ends
   (`FairQueue.charge`), so a long stream counts from its start. A tenant that starts waiting
   after an idle spell starts at the least usage among those waiting: idling earns no credit
