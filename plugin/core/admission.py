@@ -29,9 +29,11 @@ import hashlib
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from plugin.core.auth import bearer_token
 
 __all__ = [
     "DEFAULT_TENANT",
@@ -43,7 +45,6 @@ __all__ = [
 ]
 
 DEFAULT_TENANT = "default"
-_BEARER = "bearer "
 
 T = TypeVar("T")
 
@@ -65,12 +66,10 @@ class Tenancy:
         """The tenant of a request with this header value and `authorization` header."""
         if self.header is not None and header_value:
             return header_value
-        if self.tokens and authorization and authorization[:7].lower() == _BEARER:
-            token = authorization[7:].strip()
-            if token:
-                found = self.tokens.get(token_digest(token))
-                if found is not None:
-                    return found
+        if self.tokens:
+            token = bearer_token(authorization)
+            if token is not None:
+                return self.tokens.get(token_digest(token), self.default)
         return self.default
 
 
@@ -133,9 +132,10 @@ class _Waiting(Generic[T]):
 class FairQueue(Generic[T]):
     """Waiting requests by class, then tenant usage per weight (module docstring).
 
-    `push` and `remove` are O(1) (amortised); `pop` is O(tenants waiting in the top class).
-    Usage is kept for every tenant seen and forgotten by `forget_idle` (bounded by the caller).
-    """
+    `push` is O(tenants waiting in its class) when its tenant joins the class (the lift), else
+    O(1); `pop` and `peek` are O(tenants waiting in the top class); `remove` is O(its tenant's
+    queue). Usage is kept for every tenant seen and forgotten by `forget_idle` (bounded by the
+    caller)."""
 
     __slots__ = ("_by_rank", "_items", "_seq", "usage", "weights")
 
@@ -152,9 +152,6 @@ class FairQueue(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def __iter__(self) -> Iterator[T]:
-        return (w.item for w in self._items.values())
 
     def waiting(self, rank: int | None = None) -> int:
         """Requests waiting, in one class or all."""

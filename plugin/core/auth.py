@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-__all__ = ["BearerToken"]
+__all__ = ["BearerToken", "bearer_token"]
 
 
 class BearerToken:
@@ -31,11 +31,18 @@ class BearerToken:
 
     def authorizes(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header value carries the token."""
-        if authorization is None:
-            return False
-        scheme, _, token = authorization.strip().partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(authorization)
+        if token is None:
             return False
         given = hashlib.sha256(token.encode()).digest()
         return hmac.compare_digest(given, self._digest)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header value (the scheme in any case,
+    surrounding spaces ignored); None for another scheme or an empty token."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
