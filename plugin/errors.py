@@ -8,6 +8,7 @@ mapping is pure so it is tested without gRPC; the ext_proc adapter only wraps it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import orjson
@@ -33,6 +34,8 @@ class RequestError(GatewayError):
     code: str | None = None
     param: str | None = None
     header: tuple[str, str] = ("x-error-routing", "true")
+    # Headers beyond `header` the reply carries (`retry-after`, say).
+    extra_headers: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -191,6 +194,17 @@ class QueueFull(RoutingFailed):
     """The model's gateway queue holds as many requests as it may (`HETERO_GATEWAY_MAX_WAITING`)."""
 
 
+class Overloaded(RoutingFailed):
+    """Admission shed the request: it waited as long as its priority class may, or a request of
+    a higher class took its place in a full queue (`plugin.core.admission`). `retry-after` (whole
+    seconds, as HTTP has it) says when a retry may find room."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+        self.extra_headers = (("retry-after", str(self.retry_after_s)),)
+
+
 class ShuttingDown(RoutingFailed):
     """The gateway is draining: a request it held is answered now, not left to time out."""
 
@@ -235,7 +249,7 @@ def error_reply(err: RequestError) -> ErrorReply:
     return ErrorReply(
         status=err.status,
         body=body,
-        headers=(("content-type", "application/json"), err.header),
+        headers=(("content-type", "application/json"), err.header, *err.extra_headers),
     )
 
 

@@ -1,5 +1,5 @@
-"""Admission's pure rules: who sent a request, which priority class it waits in, and which
-waiting request goes next (issue 31; the router does not call these yet).
+"""Admission's pure rules: who sent a request, which priority class it waits in, when the fleet
+is full, and which waiting request goes next. The router holds requests by them (`Admission`).
 
 - **Tenant.** The value of a configured header (an auth layer in front of the gateway sets it),
   else the request's bearer token looked up by its SHA-256 digest in the operator's table (the
@@ -21,6 +21,17 @@ waiting request goes next (issue 31; the router does not call these yet).
   after an idle spell starts at the least usage among those waiting: idling earns no credit
   (VTC's counter lift), and a newcomer does not jump ahead of everyone for as long as its
   zero counter lasts.
+- **Full.** A model's fleet is full when no candidate has room: in flight at or above its batch
+  cap (`Candidate.saturation`: declared, exported or learned), or, where no cap is known yet, its
+  engine queueing (`waiting` at least 1 in its last fresh scrape). Overload is judged from what
+  the fleet learned of itself, not from a fixed count. While a model's fleet is full, or others
+  of its requests already wait, a new request joins the model's `FairQueue`; each released lease
+  (and each pool change) lets the queue's head go to its strategy while there is room.
+- **Shedding.** A request that waits longer than its class may is answered 503 (OpenAI's
+  `overloaded_error`) with `retry-after`; when the queue is at its bound, an arrival of a higher
+  class sheds the newest request of the most-used tenant in the lowest class waiting, else it is
+  refused itself. `retry-after` says how long the class's oldest waiter has waited (at least 1 s):
+  what a retry would likely wait again.
 """
 
 from __future__ import annotations
@@ -29,18 +40,24 @@ import hashlib
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from plugin.core.auth import bearer_token
+from plugin.core.types import Candidate, RequestInfo
+from plugin.core.view import CandidateView
 
 __all__ = [
     "DEFAULT_TENANT",
+    "Admission",
+    "AdmissionSettings",
+    "Charge",
     "ClassTable",
     "FairQueue",
     "Tenancy",
     "gpu_seconds",
+    "has_room",
     "token_digest",
 ]
 
@@ -198,6 +215,33 @@ class FairQueue(Generic[T]):
         tenants = self._by_rank[min(self._by_rank)]
         return tenants[self._next_tenant(tenants)][0].item
 
+    def items(self) -> list[T]:
+        """Every waiting request (any order)."""
+        return [e.item for e in self._items.values()]
+
+    def oldest(self, rank: int) -> T | None:
+        """The request that has waited longest in class `rank`, None if none waits there."""
+        tenants = self._by_rank.get(rank)
+        if not tenants:
+            return None
+        return min((q[0] for q in tenants.values()), key=lambda e: e.seq).item
+
+    def shed(self, rank: int) -> T | None:
+        """A request to refuse so that one of class `rank` may wait: in the lowest class
+        waiting, if it is below `rank`, the newest request of the tenant with the most usage
+        there; taken out. None when nothing waits below `rank`."""
+        if not self._by_rank:
+            return None
+        lowest = max(self._by_rank)
+        if lowest <= rank:
+            return None
+        tenants = self._by_rank[lowest]
+        usage = self.usage
+        tenant = max(tenants, key=lambda t: (usage.get(t, 0.0), tenants[t][-1].seq))
+        item = tenants[tenant][-1].item
+        self.remove(item)
+        return item
+
     def remove(self, item: T) -> bool:
         """Take `item` out (it was cancelled or timed out); False if it was not waiting."""
         entry = self._items.pop(id(item), None)
@@ -240,3 +284,113 @@ class FairQueue(Generic[T]):
         """Set and move to the end: `usage` is kept in order of last change."""
         self.usage.pop(tenant, None)
         self.usage[tenant] = value
+
+
+def _candidate_has_room(candidate: Candidate) -> bool:
+    """Below its batch cap; with no cap known, its engine not queueing (module docstring)."""
+    cap = candidate.saturation
+    if cap is not None:
+        return candidate.running < cap
+    waiting = candidate.waiting
+    return waiting is None or waiting < 1
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _WithRoom:
+    """Grouped-index spec: the candidates with room, one group (a view answers in O(1))."""
+
+    def group(self, candidate: Candidate) -> Hashable | None:
+        return True if _candidate_has_room(candidate) else None
+
+    def key(self, candidate: Candidate) -> tuple[float, ...]:
+        return ()
+
+
+_WITH_ROOM = _WithRoom()
+
+
+def has_room(candidates: Sequence[Candidate]) -> bool:
+    """Whether some candidate can take a request without queueing it (module docstring): O(1)
+    on a pool's `CandidateView` (an index kept current per lease), a pass over a plain list."""
+    if isinstance(candidates, CandidateView):
+        return bool(candidates.grouped_by(_WITH_ROOM).groups)
+    return any(_candidate_has_room(c) for c in candidates)
+
+
+class Charge(NamedTuple):
+    """GPU-seconds charged to a request's tenant when it was routed, and the speeds they were
+    priced at (its replica's, then): the settlement prices the real output the same way."""
+
+    gpu_s: float
+    decode_tokens_per_s: float | None
+    prefill_tokens_per_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """Admission as the operator declares it (`plugin.config`: the HETERO_GATEWAY_ADMISSION_*
+    and HETERO_GATEWAY_TENANT_* variables)."""
+
+    tenancy: Tenancy = field(default_factory=Tenancy)
+    classes: ClassTable = field(default_factory=ClassTable)
+    class_header: str = "x-priority-class"  # the class a request asks for, where allowed
+    weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight (default 1)
+    max_wait_s: float = 30.0  # the longest a request waits in the queue
+    max_waiting: int = 1000  # per model; beyond, the lowest class is shed
+    max_tenants: int = 1000  # tenants whose usage is remembered per model
+
+
+class Admission:
+    """Per model, the fair queue of requests held for room, and every tenant's GPU time.
+
+    The router asks `should_hold` on arrival, `pushes` what it holds, dispatches the `head`
+    while `has_room`, and charges what it routes (`estimate`, then `settle` at the end). Items
+    are the router's waiters; nothing here reads a clock or keeps a pod.
+    """
+
+    __slots__ = ("queues", "settings")
+
+    def __init__(self, settings: AdmissionSettings) -> None:
+        self.settings = settings
+        self.queues: dict[str, FairQueue[object]] = {}  # model -> its queue (made on first use)
+
+    def rank(self, request: RequestInfo) -> int:
+        return self.settings.classes.rank(request.tenant, request.priority_class)
+
+    def queue(self, model: str) -> FairQueue[object]:
+        found = self.queues.get(model)
+        if found is None:
+            found = self.queues[model] = FairQueue(self.settings.weights)
+        return found
+
+    def waiting(self, model: str) -> int:
+        found = self.queues.get(model)
+        return len(found) if found is not None else 0
+
+    def should_hold(self, model: str, candidates: Sequence[Candidate]) -> bool:
+        """Whether an arrival waits: others of its model already do, or none has room."""
+        return self.waiting(model) > 0 or not has_room(candidates)
+
+    def estimate(self, request: RequestInfo, candidate: Candidate) -> Charge:
+        """What the tenant is charged when the request is routed to `candidate`: its predicted
+        output (else `max_tokens`, else none) and prompt at the replica's learned speeds, which
+        the settlement at the end prices the real output by."""
+        output = request.predicted_output_tokens or request.max_tokens or 0
+        profile = candidate.profile
+        prefill = profile.prefill_tokens_per_s if profile is not None else None
+        decode = candidate.capacity
+        return Charge(gpu_seconds(request.prompt_tokens, output, decode, prefill), decode, prefill)
+
+    def charge(self, model: str, tenant: str, gpu_s: float) -> None:
+        """Add to the tenant's usage in the model's queue (an estimate, or a settlement's
+        difference), bounding how many tenants are remembered."""
+        queue = self.queue(model)
+        queue.charge(tenant, gpu_s)
+        if len(queue.usage) > self.settings.max_tenants:
+            queue.forget_idle(self.settings.max_tenants)
+
+    def forget(self, model: str) -> None:
+        """The model is gone: its queue's usage goes (its waiters were answered)."""
+        found = self.queues.get(model)
+        if found is not None and not found:
+            del self.queues[model]

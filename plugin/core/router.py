@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plugin.core.admission import Admission, Charge, gpu_seconds, has_room
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import (
@@ -42,6 +43,7 @@ from plugin.core.strategies.gate import ImbalanceGate, Wrapped
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import (
     NoMatchingPod,
+    Overloaded,
     QueueFull,
     RequestError,
     RoutingFailed,
@@ -113,6 +115,8 @@ class Decision:
     profiled: ProfiledRoute | None = None  # where it sits in its GPU profile (SLO strategies)
     # The adapter's OpenTelemetry spans of this request (`plugin.adapters.otel`), opaque here.
     spans: Any = None
+    # What admission charged its tenant when it was routed (None: admission is off).
+    charge: Charge | None = None
 
 
 class Waiter:
@@ -124,6 +128,7 @@ class Waiter:
         "_error",
         "_router",
         "_taken",
+        "admitting",
         "deadline",
         "notify",
         "on_timeout",
@@ -147,8 +152,12 @@ class Waiter:
         self._error: RequestError | None = None
         self._taken = False
         self._cancelled = False
+        # Held by admission (in its model's fair queue) rather than by its strategy.
+        self.admitting = False
         # Called once when the outcome is known (granted or rejected); the owner then calls
-        # `result()`. Set by the owner; the default does nothing.
+        # `result()`. Also called, with no outcome yet (`done` False), when admission hands the
+        # request to a strategy that holds it with another deadline: the owner re-reads
+        # `deadline`. Set by the owner; the default does nothing.
         self.notify: Callable[[], None] = _nothing
 
     @property
@@ -226,6 +235,7 @@ class Router:
         "_clock",
         "_default",
         "_default_strategy",
+        "_draining",
         "_profile_gates",
         "_profiles",
         "_rng",
@@ -233,6 +243,7 @@ class Router:
         "_table",
         "_waiting",
         "_waking",
+        "admission",
         "beyond",
         "decision_time",
         "drift",
@@ -258,8 +269,12 @@ class Router:
         max_waiting: int = 1000,
         auto_blend: blend.AutoBlend | None = None,
         gate: ImbalanceGate | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.pool = pool
+        # Set: every request passes its model's fair queue when the fleet is full.
+        self.admission = admission
+        self._draining: set[str] = set()  # models whose admission queue is being dispatched
         self._strategies = dict(strategies)
         self.gate = gate
         self._table = _Table(self._strategies, auto_blend, gate)
@@ -332,11 +347,27 @@ class Router:
                 return pod
         return next((c.pod for c in view if c.pod.key != chosen.key), None)
 
-    def finished(self, decision: Decision, status: int, felt: Felt | None = None) -> None:
+    def finished(
+        self,
+        decision: Decision,
+        status: int,
+        felt: Felt | None = None,
+        output_tokens: int | None = None,
+    ) -> None:
         """A routed request's response ended: compare its latency with the prediction (per
         deployment, and per profile cell: `plugin.core.drift`); with an SLO (its own, or its
-        profile's) and `felt` by its client, count whether it met it."""
+        profile's) and `felt` by its client, count whether it met it. Admission settles its
+        tenant's charge with the `output_tokens` it produced (when counted)."""
         request, profiled = decision.request, decision.profiled
+        charge = decision.charge
+        if charge is not None and output_tokens is not None and self.admission is not None:
+            spent = gpu_seconds(
+                request.prompt_tokens,
+                output_tokens,
+                charge.decode_tokens_per_s,
+                charge.prefill_tokens_per_s,
+            )
+            self.admission.charge(request.model, request.tenant, spent - charge.gpu_s)
         target = request.slo
         if target is None and profiled is not None:
             target = profiled.profile.target
@@ -434,13 +465,47 @@ class Router:
     def admit(self, request: RequestInfo, strategy: Strategy) -> Decision | Waiter:
         """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error.
 
+        With admission on, a request whose model's fleet is full, or whose model has requests
+        waiting for room already, waits in the model's fair queue first (`plugin.core.admission`)
+        and meets its strategy when its turn and some room come.
+
         A strategy that `needs_profiles` (SLO routing) hands a model none of whose pods has a
         GPU profile (its `profiled` says so) to the default strategy (or, if that needs them
         too, to least-request).
         """
         now = self._clock()
         candidates = self._candidates(request, now)
+        admission = self.admission
+        if admission is not None and admission.should_hold(request.model, candidates):
+            waiter = self._hold_for_room(admission, request, strategy, now)
+            if waiter.done:  # room at once (queued behind none): routed, or its error
+                return waiter.result()
+            return waiter
         asked = strategy  # the name the client sees echoed, whoever routes
+        answer, strategy, request = self._ask_strategy(request, strategy, candidates, now)
+        if type(answer) is Route:
+            return self._take(answer, request, strategy, asked.name, now)
+        if type(answer) is Reject:
+            self._rejected(request, answer.error)
+            raise answer.error
+        if type(answer) is Wait:
+            held = len(self._waiting.get(request.model, ()))
+            if held >= self.max_waiting:
+                raise QueueFull(f"{held} {request.model} requests already wait at the gateway")
+            waiter = Waiter(self, request, strategy, answer)
+            self._waiting.setdefault(request.model, []).append(waiter)
+            return waiter
+        raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+
+    def _ask_strategy(
+        self,
+        request: RequestInfo,
+        strategy: Strategy,
+        candidates: Sequence[Candidate],
+        now: float,
+    ) -> tuple[object, Strategy, RequestInfo]:
+        """The strategy's answer, the strategy that gave it (SLO routing without profiles
+        hands over) and the request as it saw it (an SLO one gets its predicted output)."""
         if strategy.needs_profiles:
             if not strategy.profiled(candidates):
                 strategy = self._without_profiles()
@@ -448,28 +513,98 @@ class Router:
                 predicted = self.history.predict(request.model, request.prompt_tokens, now)
                 if predicted is not None:
                     request = dataclasses.replace(request, predicted_output_tokens=predicted)
-        answer = strategy.admit(candidates, request, self._rng, now)
-        if type(answer) is Route:
-            lease = self.pool.acquire(
-                answer.candidate.pod,
-                answer.load,
-                request.prompt_tokens,
-                answer.streaming_load,
-                now,
+        return strategy.admit(candidates, request, self._rng, now), strategy, request
+
+    def _take(
+        self, answer: Route, request: RequestInfo, strategy: Strategy, name: str, now: float
+    ) -> Decision:
+        """Take the lease a `Route` answer names; admission charges the tenant's estimate."""
+        lease = self.pool.acquire(
+            answer.candidate.pod,
+            answer.load,
+            request.prompt_tokens,
+            answer.streaming_load,
+            now,
+        )
+        strategy.routed(answer.candidate, request)
+        decision = self._decided(answer, request, name, lease, now)
+        admission = self.admission
+        if admission is not None:
+            charge = admission.estimate(request, answer.candidate)
+            admission.charge(request.model, request.tenant, charge.gpu_s)
+            decision = dataclasses.replace(decision, charge=charge)
+        return decision
+
+    # admission -------------------------------------------------------------------------------
+    def _hold_for_room(
+        self, admission: Admission, request: RequestInfo, strategy: Strategy, now: float
+    ) -> Waiter:
+        """Queue the request for room in its class; a full queue sheds its lowest class (or
+        refuses this one); then dispatch whatever room there is."""
+        model = request.model
+        queue = admission.queue(model)
+        rank = admission.rank(request)
+        if len(queue) >= admission.settings.max_waiting:
+            shed = queue.shed(rank)
+            if not isinstance(shed, Waiter):
+                raise self._overloaded(
+                    admission, model, rank, now, f"{len(queue)} requests already wait"
+                )
+            shed.admitting = False
+            self._settled(
+                shed,
+                None,
+                self._overloaded(
+                    admission,
+                    model,
+                    admission.rank(shed.request),
+                    now,
+                    "a request of a higher priority class took its place in the full queue",
+                ),
             )
-            strategy.routed(answer.candidate, request)
-            return self._decided(answer, request, asked.name, lease, now)
-        if type(answer) is Reject:
-            self._rejected(request, answer.error)
-            raise answer.error
-        if type(answer) is Wait:
-            held = self.waiting(request.model)
-            if held >= self.max_waiting:
-                raise QueueFull(f"{held} {request.model} requests already wait at the gateway")
-            waiter = Waiter(self, request, strategy, answer)
-            self._waiting.setdefault(request.model, []).append(waiter)
-            return waiter
-        raise TypeError(f"strategy {strategy.name} answered {answer!r}")
+        wait = Wait(now + admission.settings.max_wait_s)
+        waiter = Waiter(self, request, strategy, wait)
+        waiter.admitting = True
+        queue.push(waiter, request.tenant, rank)
+        self._dispatch_queue(model)
+        return waiter
+
+    def _overloaded(
+        self, admission: Admission, model: str, rank: int, now: float, why: str
+    ) -> Overloaded:
+        """503 with `retry-after`: how long the class's oldest waiter has waited."""
+        oldest = admission.queue(model).oldest(rank)
+        waited = now - oldest.since if isinstance(oldest, Waiter) else 0.0
+        return Overloaded(f"the {model} fleet is full: {why}", waited)
+
+    def _dispatch_queue(self, model: str) -> None:
+        """While the model's fleet has room, its fair queue's head meets its strategy."""
+        admission = self.admission
+        if admission is None or model in self._draining:
+            return
+        queue = admission.queues.get(model)
+        if not queue:
+            return
+        self._draining.add(model)
+        try:
+            while queue:
+                waiter = queue.peek()
+                assert isinstance(waiter, Waiter)
+                now = self._clock()
+                try:
+                    candidates = self._candidates(waiter.request, now)
+                except RequestError as err:  # the model lost its pods while it waited
+                    queue.pop()
+                    waiter.admitting = False
+                    self._settled(waiter, None, err)
+                    continue
+                if not has_room(candidates):
+                    break
+                queue.pop()
+                waiter.admitting = False
+                self._ask(waiter, final=False, candidates=candidates)
+        finally:
+            self._draining.discard(model)
 
     def _candidates(self, request: RequestInfo, now: float) -> Sequence[Candidate]:
         """The model's candidates, narrowed to those its `external-filter` selector matches."""
@@ -502,22 +637,36 @@ class Router:
     def waiting(self, model: str | None = None) -> int:
         """Requests held, for one model or all."""
         if model is not None:
-            return len(self._waiting.get(model, ()))
-        return sum(len(q) for q in self._waiting.values())
+            queued = self.admission.waiting(model) if self.admission is not None else 0
+            return len(self._waiting.get(model, ())) + queued
+        return sum(self.waiting_by_model().values())
 
     def waiting_by_model(self) -> dict[str, int]:
-        return {m: len(q) for m, q in self._waiting.items()}
+        """Requests held per model, by their strategies and by admission alike."""
+        counts = {m: len(q) for m, q in self._waiting.items()}
+        if self.admission is not None:
+            for m, queue in self.admission.queues.items():
+                if queue:
+                    counts[m] = counts.get(m, 0) + len(queue)
+        return counts
 
     def wake(self, model: str | None = None) -> None:
-        """Ask the waiting requests of `model` (or of every model) again, oldest first."""
-        if not self._waiting:
-            return
-        for m in [model] if model is not None else list(self._waiting):
-            self._wake_model(m)
+        """Ask the waiting requests of `model` (or of every model) again, oldest first; then
+        let admission's queues dispatch into whatever room there is."""
+        if self._waiting:
+            for m in [model] if model is not None else list(self._waiting):
+                self._wake_model(m)
+        admission = self.admission
+        if admission is not None and admission.queues:
+            for m in [model] if model is not None else list(admission.queues):
+                self._dispatch_queue(m)
 
     def reject_waiting(self, error: RequestError) -> int:
         """Answer every held request with `error` now (the gateway drains); returns how many."""
         held = [w for queue in self._waiting.values() for w in queue]
+        if self.admission is not None:
+            queued = [w for q in self.admission.queues.values() for w in q.items()]
+            held += [w for w in queued if isinstance(w, Waiter)]
         for waiter in held:
             self._forget(waiter)
             self._settled(waiter, None, error)
@@ -528,11 +677,30 @@ class Router:
         it is rejected with its timeout error."""
         if waiter.done:
             return
+        if waiter.admitting:  # its class's longest wait: shed
+            admission = self.admission
+            assert admission is not None
+            now = self._clock()
+            if now < waiter.deadline:
+                return
+            rank = admission.rank(waiter.request)
+            error = self._overloaded(
+                admission,
+                waiter.request.model,
+                rank,
+                now,
+                f"the request waited {now - waiter.since:.1f} s for room",
+            )
+            self._forget(waiter)
+            self._settled(waiter, None, error)
+            return
         self._ask(waiter, final=True)
 
     def _on_release(self, pod: Pod) -> None:
         if self._waiting:
             self._wake_model(pod.model)
+        if self.admission is not None:
+            self._dispatch_queue(pod.model)
 
     def _wake_model(self, model: str) -> None:
         queue = self._waiting.get(model)
@@ -547,27 +715,37 @@ class Router:
         finally:
             self._waking.discard(model)
 
-    def _ask(self, waiter: Waiter, final: bool) -> None:
+    def _ask(
+        self, waiter: Waiter, final: bool, candidates: Sequence[Candidate] | None = None
+    ) -> None:
+        """Ask a held request's strategy again; with `candidates`, admission hands it over and
+        its strategy meets it for the first time (and may hold it in turn)."""
         now = self._clock()
         strategy = waiter.strategy
+        name = strategy.name
         try:
-            candidates = self._candidates(waiter.request, now)
-            answer = strategy.admit(candidates, waiter.request, self._rng, now)
+            if candidates is None:
+                candidates = self._candidates(waiter.request, now)
+                answer: object = strategy.admit(candidates, waiter.request, self._rng, now)
+            else:
+                answer, strategy, waiter.request = self._ask_strategy(
+                    waiter.request, strategy, candidates, now
+                )
+                waiter.strategy = strategy
+                if type(answer) is Wait:  # held by its strategy from here
+                    waiter.on_timeout = answer.timeout_error()
+                    waiter.priority = answer.priority
+                    waiter.deadline = answer.deadline
+                    self._waiting.setdefault(waiter.request.model, []).append(waiter)
+                    waiter.notify()  # no outcome yet: its owner re-reads the deadline
+                    return
         except RequestError as err:  # the model lost its pods while the request waited
             self._forget(waiter)
             self._settled(waiter, None, err)
             return
         if type(answer) is Route:
             self._forget(waiter)
-            lease = self.pool.acquire(
-                answer.candidate.pod,
-                answer.load,
-                waiter.request.prompt_tokens,
-                answer.streaming_load,
-                now,
-            )
-            strategy.routed(answer.candidate, waiter.request)
-            decision = self._decided(answer, waiter.request, strategy.name, lease, now)
+            decision = self._take(answer, waiter.request, strategy, name, now)
             self._settled(waiter, decision, None)
         elif type(answer) is Reject:
             self._forget(waiter)
@@ -598,6 +776,11 @@ class Router:
 
     def _forget(self, waiter: Waiter) -> None:
         model = waiter.request.model
+        if waiter.admitting:
+            waiter.admitting = False
+            if self.admission is not None:
+                self.admission.queue(model).remove(waiter)
+            return
         queue = self._waiting.get(model)
         if queue is None:
             return

@@ -146,3 +146,7 @@ class RequestInfo:
     # strings; a token-id prompt as 4 characters an id): what prefix-cache hashes. References to
     # the parsed body's strings, so collecting them costs an append each; left out of the repr.
     prompt_parts: tuple[str, ...] = field(default=(), repr=False)
+    # Who sent it and the priority class it asked for (`plugin.core.admission`): set by the
+    # adapter when admission is on; the class is a request, its tenant's ceiling applies.
+    tenant: str = "default"
+    priority_class: str | None = None

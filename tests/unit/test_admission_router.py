@@ -1,0 +1,219 @@
+"""The router with admission on: requests wait in their model's fair queue while the fleet is
+full, leave it by class and GPU-time fairness as room appears, and are shed with a 503 and
+`retry-after` when they wait too long or a higher class needs their place."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from plugin.core.admission import Admission, AdmissionSettings, ClassTable
+from plugin.core.capacity import CapacityEstimator
+from plugin.core.pool import PodPool
+from plugin.core.router import Decision, Router, Waiter
+from plugin.core.strategies import build_strategies
+from plugin.core.types import Pod, RequestInfo
+from plugin.errors import Overloaded, error_reply
+from tests.helpers import make_pod
+from tests.unit.test_router import Clock, Limit
+
+MODEL = "m"
+
+pytestmark = pytest.mark.unit
+
+
+def capped(name: str, cap: int) -> Pod:
+    """A pod whose engine batch holds `cap` requests (declared, as `max_num_seqs` says)."""
+    return dataclasses.replace(make_pod(name, port=8000 + len(name)), max_num_seqs=cap)
+
+
+CLASSES = ClassTable(("interactive", "batch"), {"chat": "interactive"}, default="batch")
+
+
+def setup(
+    cap: int = 1, max_wait_s: float = 5.0, max_waiting: int = 10, strategy: str = "least-request"
+) -> tuple[Router, PodPool, Clock]:
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([capped("a", cap)])
+    clock = Clock()
+    strategies = build_strategies()
+    settings = AdmissionSettings(classes=CLASSES, max_wait_s=max_wait_s, max_waiting=max_waiting)
+    router = Router(
+        pool, strategies, strategy, random.Random(0), clock, admission=Admission(settings)
+    )
+    return router, pool, clock
+
+
+def req(tenant: str, at: float = 0.0, **kw: object) -> RequestInfo:
+    return RequestInfo(MODEL, tenant=tenant, arrived_at=at, **kw)  # type: ignore[arg-type]
+
+
+def admit(router: Router, request: RequestInfo) -> Decision | Waiter:
+    return router.admit(request, router.strategy_for(None))
+
+
+def routed(outcome: Decision | Waiter) -> Decision:
+    assert isinstance(outcome, Decision), outcome
+    return outcome
+
+
+def waiting(outcome: Decision | Waiter) -> Waiter:
+    assert isinstance(outcome, Waiter), outcome
+    assert outcome.admitting and not outcome.done
+    return outcome
+
+
+def test_with_room_nothing_waits() -> None:
+    router, pool, _ = setup(cap=2)
+    first, second = (routed(admit(router, req("t"))) for _ in range(2))
+    assert pool.inflight("ns/a") == 2 and router.waiting(MODEL) == 0
+    assert first.charge is not None and second.charge is not None  # charged (0: speed unknown)
+
+
+def test_a_full_fleet_queues_and_a_release_dispatches_the_head() -> None:
+    router, pool, _ = setup(cap=1)
+    first = routed(admit(router, req("t")))
+    held = waiting(admit(router, req("t")))
+    assert router.waiting(MODEL) == 1 and router.waiting_by_model() == {MODEL: 1}
+    told: list[bool] = []
+    held.notify = lambda: told.append(held.done)
+    first.lease.release(5, 200, 1.0)
+    assert told == [True] and not held.admitting
+    decision = held.result()
+    assert decision.lease.pod.name == "a" and pool.inflight("ns/a") == 1
+    assert router.waiting(MODEL) == 0
+
+
+def test_an_arrival_waits_behind_others_even_when_room_appears_between() -> None:
+    """FIFO across the fleet being full: a newcomer does not jump those already waiting."""
+    router, _, _ = setup(cap=1)
+    first = routed(admit(router, req("t")))
+    older = waiting(admit(router, req("t")))
+    first.lease.release()  # the older one takes the room
+    assert older.done
+    newer = waiting(admit(router, req("t")))
+    assert not newer.done
+
+
+def test_the_higher_class_leaves_the_queue_first() -> None:
+    router, _, _ = setup(cap=1)
+    first = routed(admit(router, req("t")))
+    batch = waiting(admit(router, req("bulk")))
+    chat = waiting(admit(router, req("chat")))
+    first.lease.release()
+    assert chat.done and not batch.done
+    chat.result().lease.release()
+    assert batch.done
+
+
+def test_within_a_class_the_tenant_with_less_gpu_time_goes_first() -> None:
+    router, _, _ = setup(cap=1)
+    admission = router.admission
+    assert admission is not None
+    first = routed(admit(router, req("t")))
+    heavy = waiting(admit(router, req("heavy")))
+    light = waiting(admit(router, req("light")))
+    admission.charge(MODEL, "heavy", 10.0)
+    admission.charge(MODEL, "light", 1.0)
+    first.lease.release()
+    assert light.done and not heavy.done
+
+
+def test_a_request_asking_for_a_class_its_tenant_may_not_use_keeps_its_own() -> None:
+    router, _, _ = setup(cap=1)
+    first = routed(admit(router, req("t")))
+    chat = waiting(admit(router, req("chat")))
+    sneaky = waiting(admit(router, req("bulk", priority_class="interactive")))
+    first.lease.release()
+    assert chat.done and not sneaky.done
+
+
+def test_waiting_past_the_class_limit_is_a_503_with_retry_after() -> None:
+    router, pool, clock = setup(cap=1, max_wait_s=5.0)
+    routed(admit(router, req("t")))
+    held = waiting(admit(router, req("t")))
+    clock.t = 4.0
+    router.expire(held)  # early: nothing happens
+    assert not held.done
+    clock.t = 5.0
+    router.expire(held)
+    with pytest.raises(Overloaded) as caught:
+        held.result()
+    reply = error_reply(caught.value)
+    assert reply.status == 503 and ("retry-after", "5") in reply.headers
+    assert router.waiting(MODEL) == 0 and pool.inflight("ns/a") == 1
+
+
+def test_a_full_queue_sheds_the_newest_of_the_lowest_class_for_a_higher_one() -> None:
+    router, _, _ = setup(cap=1, max_waiting=2)
+    admission = router.admission
+    assert admission is not None
+    routed(admit(router, req("t")))
+    old_bulk = waiting(admit(router, req("bulk")))
+    new_bulk = waiting(admit(router, req("bulk")))
+    with pytest.raises(Overloaded):  # a batch arrival into a full queue is refused itself
+        admit(router, req("bulk"))
+    chat = waiting(admit(router, req("chat")))
+    assert new_bulk.done and not old_bulk.done and not chat.done
+    with pytest.raises(Overloaded):
+        new_bulk.result()
+    assert router.waiting(MODEL) == 2
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_takes_nothing() -> None:
+    router, pool, _ = setup(cap=1)
+    first = routed(admit(router, req("t")))
+    held = waiting(admit(router, req("t")))
+    held.cancel()
+    assert router.waiting(MODEL) == 0
+    first.lease.release()
+    assert pool.inflight("ns/a") == 0
+    with pytest.raises(RuntimeError):  # never granted
+        held.result()
+
+
+def test_a_drain_answers_queued_requests_too() -> None:
+    router, _, _ = setup(cap=1)
+    routed(admit(router, req("t")))
+    held = waiting(admit(router, req("t")))
+    assert router.reject_waiting(Overloaded("draining", 1.0)) == 1
+    with pytest.raises(Overloaded):
+        held.result()
+
+
+def test_a_strategy_that_holds_the_dispatched_request_gets_it_with_its_own_deadline() -> None:
+    """Admission's room is a batch slot; a strategy may still want to wait (SLO routing):
+    the request moves to its hold, and its owner hears the new deadline."""
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([capped("a", 2)])
+    clock = Clock()
+    limit = Limit(limit=1, wait_s=3.0)
+    router = Router(
+        pool,
+        {limit.name: limit},
+        limit.name,
+        random.Random(0),
+        clock,
+        admission=Admission(AdmissionSettings(max_wait_s=20.0)),
+    )
+    one = routed(router.admit(req("t"), limit))
+    routed_two = router.admit(req("t"), limit)  # admission has room, the strategy holds it
+    assert isinstance(routed_two, Waiter) and not routed_two.admitting
+    assert routed_two.deadline == 3.0
+    one.lease.release()
+    assert routed_two.done
+
+
+def test_the_settlement_charges_what_the_request_really_took() -> None:
+    router, pool, _ = setup(cap=4)
+    admission = router.admission
+    assert admission is not None
+    pool.candidates(MODEL, 0.0)[0].capacity = 100.0  # learned output tokens/s
+    decision = routed(admit(router, req("t", max_tokens=200)))
+    assert decision.charge is not None and decision.charge.gpu_s == pytest.approx(2.0)
+    assert admission.queue(MODEL).usage["t"] == pytest.approx(2.0)
+    decision.lease.release(50, 200, 1.0)
+    router.finished(decision, 200, output_tokens=50)
+    assert admission.queue(MODEL).usage["t"] == pytest.approx(0.5)
