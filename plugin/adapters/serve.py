@@ -25,6 +25,7 @@ from plugin.adapters.native_memory import MemoryTrimmer
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import Settings
+from plugin.core.admission import Admission
 from plugin.core.auth import BearerToken
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
@@ -152,6 +153,7 @@ class Gateway:
             max_waiting=settings.max_waiting,
             auto_blend=settings.auto_blend,
             gate=None if settings.imbalance is None else ImbalanceGate(settings.imbalance),
+            admission=None if settings.admission is None else Admission(settings.admission),
         )
         # What the core says an operator should hear (a request beyond a GPU profile's grid, a
         # profile cell off from served traffic), logged here: the core does no I/O.
@@ -170,9 +172,12 @@ class Gateway:
                 clock=self.router.now,  # what a request's `arrived_at` is measured on
             )
         # A held request's reply may take up to the longest hold; 1 s more covers the answer.
+        longest_hold = settings.slo.max_wait_s
+        if settings.admission is not None:
+            longest_hold = max(longest_hold, settings.admission.max_wait_s)
         self.servicer = ExtProcServicer(
             self.router,
-            settings.slo.max_wait_s + 1.0,
+            longest_hold + 1.0,
             settings.max_request_headers,
             tracer=None if self.tracer is None else self.tracer.recorder,
             auth=None

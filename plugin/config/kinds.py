@@ -275,6 +275,51 @@ class Namespaces(Kind[tuple[str, ...]]):
         return tuple(dict.fromkeys(names))
 
 
+_NAME_RE = re.compile(r"[A-Za-z0-9][-A-Za-z0-9_.]{0,62}")
+
+
+class Names(Kind[tuple[str, ...]]):
+    """Comma-separated names (letters, digits, `-_.`), in order, each once."""
+
+    @property
+    def type_text(self) -> str:
+        return "comma-separated names"
+
+    def parse(self, text: str) -> tuple[str, ...]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        for n in names:
+            if not _NAME_RE.fullmatch(n):
+                raise Invalid(f": {n!r} is not a name (letters, digits, -_.; at most 63)")
+        if len(set(names)) != len(names):
+            raise Invalid(": a name is listed twice")
+        return tuple(names)
+
+
+@dataclass(frozen=True)
+class Pairs(Kind[tuple[tuple[str, str], ...]]):
+    """`key:value` pairs, comma-separated, each key once; `what` shows one (`tenant:class`).
+    A key is a name (as `Names`); a value is checked by whoever reads it."""
+
+    what: str
+
+    @property
+    def type_text(self) -> str:
+        return f"`{self.what}`, comma-separated"
+
+    def parse(self, text: str) -> tuple[tuple[str, str], ...]:
+        pairs: dict[str, str] = {}
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            key, sep, value = (part.strip() for part in item.partition(":"))
+            if not sep or not value or not _NAME_RE.fullmatch(key):
+                raise Invalid(f": {item!r} is not {self.what}")
+            if key in pairs:
+                raise Invalid(f": {key!r} is given twice")
+            pairs[key] = value
+        return tuple(pairs.items())
+
+
 class LabelKey(Kind[str]):
     @property
     def type_text(self) -> str:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from plugin.config.variables import (
     _EJECT,
+    ADMISSION,
+    ADMISSION_MAX_WAIT_MS,
     AUTH_BEARER_TOKEN,
     AUTO_BLEND_LB_WEIGHT,
     AUTO_BLEND_LR_WEIGHT,
@@ -54,6 +58,7 @@ from plugin.config.variables import (
     POD_NAME,
     POD_NAMESPACE,
     PODS_FILE,
+    PRIORITY_CLASSES,
     PROFILE_DIR,
     REDIS_DB,
     REDIS_HOST,
@@ -69,9 +74,15 @@ from plugin.config.variables import (
     SLO_MAX_WAIT_MS,
     SLOW_START_MIN_PERCENT,
     SLOW_START_WINDOW_S,
+    TENANT_CLASSES,
+    TENANT_HEADER,
+    TENANT_MAY_ASK,
+    TENANT_TOKENS,
+    TENANT_WEIGHTS,
     TRACING,
     WORKERS,
 )
+from plugin.core.admission import AdmissionSettings, ClassTable, Tenancy
 from plugin.core.header_policy import HeaderPolicy
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings, SloSettings
@@ -121,6 +132,7 @@ class Settings:
     slo: SloSettings = field(default_factory=SloSettings)
     prefix_cache: PrefixCacheSettings = field(default_factory=PrefixCacheSettings)
     max_waiting: int = MAX_WAITING.default
+    admission: AdmissionSettings | None = None  # None: off
     metric_refresh_interval_s: float = METRIC_REFRESH_MS.default / 1000.0
     max_message_bytes: int = MAX_MESSAGE_BYTES.default
     max_request_headers: int = MAX_REQUEST_HEADERS.default
@@ -178,6 +190,56 @@ def _imbalance_settings(env: Mapping[str, str]) -> ImbalanceSettings | None:
         factor=IMBALANCE_FACTOR.read(env),
         capacity_aware=mode == "capacity",
     )
+
+
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _admission_settings(env: Mapping[str, str]) -> AdmissionSettings | None:
+    """Admission's settings when it is on; a class, digest or weight that cannot be used stops
+    start-up naming its variable."""
+    tokens: dict[str, str] = {}
+    for tenant, digest in TENANT_TOKENS.read(env):
+        if not _DIGEST_RE.fullmatch(digest.lower()):
+            raise ConfigError(
+                f"{TENANT_TOKENS.name}: the digest of tenant {tenant!r} is not a SHA-256 in hex"
+                " (64 characters; the token itself is never configured)"
+            )
+        tokens[digest.lower()] = tenant
+    weights: dict[str, float] = {}
+    for tenant, text in TENANT_WEIGHTS.read(env):
+        try:
+            weight = float(text)
+        except ValueError:
+            weight = math.nan
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ConfigError(
+                f"{TENANT_WEIGHTS.name}: the weight of tenant {tenant!r} is not a positive"
+                f" number: {text!r}"
+            )
+        weights[tenant] = weight
+    names = PRIORITY_CLASSES.read(env) or PRIORITY_CLASSES.default
+    for var in (TENANT_CLASSES, TENANT_MAY_ASK):
+        unknown = [c for _, c in var.read(env) if c not in names]
+        if unknown:
+            raise ConfigError(
+                f"{var.name}: {unknown[0]!r} is not a class of"
+                f" {PRIORITY_CLASSES.name}={','.join(names)}"
+            )
+    header = TENANT_HEADER.read(env)
+    settings = AdmissionSettings(
+        tenancy=Tenancy(header.lower() if header else None, tokens),
+        classes=ClassTable(
+            names,
+            dict(TENANT_CLASSES.read(env)),
+            default=names[-1],
+            may_ask=dict(TENANT_MAY_ASK.read(env)),
+        ),
+        weights=weights,
+        max_wait_s=ADMISSION_MAX_WAIT_MS.read(env) / 1000.0,
+        max_waiting=MAX_WAITING.read(env),
+    )
+    return settings if ADMISSION.read(env) else None
 
 
 def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:
@@ -335,6 +397,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         k8s_label_selector=K8S_LABEL_SELECTOR.read(env),
         slo=SloSettings(max_wait_s=SLO_MAX_WAIT_MS.read(env) / 1000.0),
         max_waiting=MAX_WAITING.read(env),
+        admission=_admission_settings(env),
         deployment_label=DEPLOYMENT_LABEL.read(env),
         profile_dir=PROFILE_DIR.read(env),
         redis=(redis := _redis_settings(env)),

@@ -18,7 +18,9 @@ from plugin.config.kinds import (
     Int,
     LabelKey,
     LabelSelector,
+    Names,
     Namespaces,
+    Pairs,
     StrategyName,
     Text,
     Var,
@@ -350,6 +352,70 @@ MAX_WAITING: Var[int] = Var(
     "Requests a strategy may hold at the gateway per model; one more is rejected at once with"
     " 503 (`x-error-routing`).",
 )
+ADMISSION: Var[bool] = Var(
+    "HETERO_GATEWAY_ADMISSION",
+    Bool(),
+    False,
+    "Admission for every request (docs/admission.md): while a model's fleet is full (each replica"
+    " at its batch cap, or queueing where no cap is known) requests wait in a fair queue, higher"
+    " priority classes first, then the tenant with the least GPU time; shed with 503 and"
+    " `retry-after`. Off: routed at once, as under AIBrix.",
+)
+TENANT_HEADER: Var[str | None] = Var(
+    "HETERO_GATEWAY_TENANT_HEADER",
+    Text("header name"),
+    None,
+    "Admission: the request header naming its tenant (set by an auth layer in front; strip it from"
+    " outside traffic). Unset, or absent from a request: the bearer token decides.",
+    shown_default="(none)",
+)
+TENANT_TOKENS: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_TOKENS",
+    Pairs("tenant:sha256"),
+    (),
+    "Admission: tenants by bearer token, each as the SHA-256 (hex) of its token (`sha256sum` of"
+    " the token without a newline); the tokens themselves are never configured, logged or"
+    " exported. A request with neither header nor listed token is tenant `default`.",
+    shown_default="(none)",
+)
+PRIORITY_CLASSES: Var[tuple[str, ...]] = Var(
+    "HETERO_GATEWAY_PRIORITY_CLASSES",
+    Names(),
+    ("default",),
+    "Admission: the priority classes, highest first (`interactive,batch`); a full fleet serves a"
+    " higher class's waiting requests first and sheds the lowest first.",
+)
+TENANT_CLASSES: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_CLASSES",
+    Pairs("tenant:class"),
+    (),
+    "Admission: each tenant's priority class; a tenant not listed is in the lowest class.",
+    shown_default="(none)",
+)
+TENANT_MAY_ASK: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_MAY_ASK",
+    Pairs("tenant:class"),
+    (),
+    "Admission: tenants whose requests may ask for a class above their own by the"
+    " `x-priority-class` header, each up to the class given; any request may ask for a lower one.",
+    shown_default="(none)",
+)
+TENANT_WEIGHTS: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_WEIGHTS",
+    Pairs("tenant:weight"),
+    (),
+    "Admission: a tenant's share of GPU time against others of its class while both wait"
+    " (default 1 each: `a:3` gets three times the GPU-seconds of a tenant at 1).",
+    shown_default="(none)",
+)
+ADMISSION_MAX_WAIT_MS: Var[int] = Var(
+    "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS",
+    Int(gt=0, le=int(ENVOY_MAX_MESSAGE_TIMEOUT_S * 1000) - 1000, unit=_MS),
+    30000,
+    "Admission: the longest a request waits for room before a 503 with `retry-after`; at most"
+    " Envoy's ext_proc max_message_timeout (60 s) less 1 s. `HETERO_GATEWAY_MAX_WAITING` bounds"
+    " the queue per model.",
+)
 DEPLOYMENT_LABEL: Var[str] = Var(
     "AIBRIX_POD_DEPLOYMENT_LABEL",
     LabelKey(),
@@ -537,6 +603,14 @@ ENV_VARS: tuple[Var[Any], ...] = (
     K8S_LABEL_SELECTOR,
     SLO_MAX_WAIT_MS,
     MAX_WAITING,
+    ADMISSION,
+    TENANT_HEADER,
+    TENANT_TOKENS,
+    PRIORITY_CLASSES,
+    TENANT_CLASSES,
+    TENANT_MAY_ASK,
+    TENANT_WEIGHTS,
+    ADMISSION_MAX_WAIT_MS,
     DEPLOYMENT_LABEL,
     PROFILE_DIR,
     REDIS_HOST,

@@ -7,8 +7,8 @@ is full, and which waiting request goes next. The router holds requests by them 
   the default tenant. A header value is taken as given: the operator decides whether clients may
   set it (Envoy can strip it from outside traffic).
 - **Class.** Classes are ranked, highest first (`interactive`, `batch`, say). A tenant waits in
-  its own class (the operator's table, else the default class); a request may ask for another by
-  header only where its tenant is allowed to, and never above the highest its tenant may use.
+  its own class (the operator's table, else the default class); a request may ask for a lower
+  one by header, and for a higher one only up to the ceiling its tenant is allowed.
 - **Fair order in GPU time.** Within a class the next request is the oldest one of the tenant
   with the least recent usage per weight (virtual-time fair queuing, as AIBrix's VTC strategy
   does with token counts), usage counted in GPU-seconds: prompt tokens over the serving
@@ -109,15 +109,16 @@ class ClassTable:
             raise ValueError(f"unknown priority class {unknown[0]!r}; classes: {self.names}")
 
     def rank(self, tenant: str, asked: str | None = None) -> int:
-        """The class a request waits in, as its rank (0 is the highest): its tenant's, or the
-        one it asked for where its tenant may ask, no higher than the tenant's ceiling. An
-        unknown class asked for is ignored (the tenant's own applies)."""
+        """The class a request waits in, as its rank (0 is the highest): the one it asked for,
+        no higher than its tenant's ceiling (`may_ask`, else the tenant's own class: any request
+        may step down, which costs others nothing); else its tenant's. An unknown class asked
+        for is ignored."""
         names = self.names
         own = names.index(self.tenants.get(tenant, self.default))
-        ceiling = self.may_ask.get(tenant)
-        if asked is None or ceiling is None or asked not in names:
+        if asked is None or asked not in names:
             return own
-        return max(names.index(asked), names.index(ceiling))
+        ceiling = self.may_ask.get(tenant)
+        return max(names.index(asked), own if ceiling is None else names.index(ceiling))
 
 
 def gpu_seconds(

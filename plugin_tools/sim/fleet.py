@@ -374,6 +374,9 @@ def simulate(
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
             start_step(i)
         elif kind == _DECIDED:
+            if not data.done:  # admission handed it to a strategy that holds it: new deadline
+                push(data.deadline, _DEADLINE, data)
+                continue
             k = held.pop(data)
             try:
                 decision = data.result()

@@ -1544,3 +1544,74 @@ async def test_a_stream_is_made_to_report_usage_only_where_envoy_takes_it_out_ag
         assert not common.HasField("body_mutation")
         assert "strip_usage" not in marks and "content-length" not in headers
     call.cancel()
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+ADMISSION_ENV = {
+    **SETTINGS_ENV,
+    "HETERO_GATEWAY_ADMISSION": "on",
+    "HETERO_GATEWAY_TENANT_HEADER": "x-tenant",
+    "HETERO_GATEWAY_PRIORITY_CLASSES": "interactive,batch",
+    "HETERO_GATEWAY_TENANT_CLASSES": "chat:interactive",
+    "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": "1500",
+    "ROUTING_ALGORITHM": "least-request",
+}
+
+
+@pytest_asyncio.fixture
+async def admitting(
+    tmp_path: Path, reserve_port: Callable[[], int], start_gateway: StartGateway
+) -> AsyncIterator[Running]:
+    """Admission on, two pods whose engine batches hold one request each (`maxNumSeqs`)."""
+    pods = [Pod(n, "default", MODEL, "127.0.0.1", reserve_port(), 0) for n in ("a", "b")]
+    path = write_pods_file(tmp_path / "pods.yaml", pods)
+    document = yaml.safe_load(path.read_text())
+    document["models"][MODEL]["maxNumSeqs"] = 1
+    path.write_text(yaml.safe_dump(document))
+    gateway = await start_gateway(path, ADMISSION_ENV)
+    async for r in _connected(gateway, path):
+        yield r
+
+
+async def _queued(r: Running, tenant: str) -> tuple[Stream, asyncio.Future[Any]]:
+    stream = Stream(r.stub)
+    assert await stream.send(request_headers(extra={"x-tenant": tenant})) == HEADERS_CONTINUE
+    before = r.gateway.router.waiting(MODEL)
+    notice = await stream.send(request_body(CHAT_BODY))
+    assert notice == pb.ProcessingResponse(override_message_timeout=Duration(seconds=31))
+    reply = asyncio.ensure_future(stream.call.read())
+    await eventually(lambda: r.gateway.router.waiting(MODEL) == before + 1, "it to queue")
+    return stream, reply
+
+
+async def test_admission_serves_the_higher_class_first_and_sheds_with_retry_after(
+    admitting: Running,
+) -> None:
+    r = admitting
+    first, key1 = await _route(r)
+    second, _ = await _route(r)
+    bulk_stream, bulk = await _queued(r, "bulk")  # batch class, queued first
+    chat_stream, chat = await _queued(r, "chat")  # interactive, queued after it
+
+    await first.send(response_headers(200, end_of_stream=True))  # one batch slot frees
+
+    async with asyncio.timeout(WAIT_S):
+        routed = await chat
+    assert routed.WhichOneof("response") == "request_body"
+    assert r.key_of(set_headers(routed.request_body.response.header_mutation)["target-pod"]) == key1
+    assert not bulk.done()
+    async with asyncio.timeout(WAIT_S):  # the batch request's wait runs out: shed
+        shed = await bulk
+    immediate = shed.immediate_response
+    assert immediate.status.code == 503
+    headers = set_headers(immediate.headers)
+    assert int(headers["retry-after"]) >= 1 and headers["x-error-routing"] == b"true"
+    assert orjson.loads(immediate.body)["error"]["type"] == "overloaded_error"
+    assert r.gateway.router.waiting() == 0
+    await bulk_stream.finish()
+    for s in (chat_stream, second):
+        await s.send(response_headers(200, end_of_stream=True))
+        await s.finish()
+    await first.finish()
+    assert set(_inflight(r).values()) == {0}

@@ -42,8 +42,9 @@ def test_a_request_waits_in_its_tenant_s_class_or_one_it_may_ask_for() -> None:
     assert table.rank("someone") == 1  # the default class
     assert table.rank("etl", "standard") == 1  # may ask, up to its ceiling
     assert table.rank("etl", "interactive") == 1  # not above it
-    assert table.rank("chat", "batch") == 2  # lower is always allowed where asking is
-    assert table.rank("someone", "interactive") == 1  # may not ask at all
+    assert table.rank("chat", "batch") == 2  # lower is always allowed
+    assert table.rank("someone", "batch") == 2  # by anyone: stepping down costs others nothing
+    assert table.rank("someone", "interactive") == 1  # not above its own without a ceiling
     assert table.rank("etl", "no-such-class") == 2  # unknown: its own class
     with pytest.raises(ValueError, match="unknown priority class 'gold'"):
         ClassTable(("a", "b"), tenants={"t": "gold"}, default="a")

@@ -3,6 +3,7 @@ declaration per variable that validation, the flags' help and the README's table
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -308,6 +309,13 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "AIBRIX_POD_DEPLOYMENT_LABEL": ("gpu type", "/name"),
     "HETERO_GATEWAY_SLO_MAX_WAIT_MS": ("0", "59001", "x"),
     "HETERO_GATEWAY_MAX_WAITING": ("0", "-1", "many"),
+    "HETERO_GATEWAY_ADMISSION": ("maybe",),
+    "HETERO_GATEWAY_TENANT_TOKENS": ("alice", "alice:", "al ice:ab", "a:1,a:2"),
+    "HETERO_GATEWAY_PRIORITY_CLASSES": ("a,a", "in teractive"),
+    "HETERO_GATEWAY_TENANT_CLASSES": ("chat", ":batch"),
+    "HETERO_GATEWAY_TENANT_MAY_ASK": ("chat=interactive",),
+    "HETERO_GATEWAY_TENANT_WEIGHTS": ("a", "a:1,a:2"),
+    "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": ("0", "59001", "x"),
     "REDIS_DB": ("-1", "x", "1.5"),
     "REDIS_HOST": ("a b", "redis/0", "redis:6379"),
     "REDIS_PORT": ("0", "65536"),
@@ -326,6 +334,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_OPTIMIZER_MAX_REPLICAS": ("a100", "a100=-1", "A100=2", "a/b/c=1", "a=x"),
 }
 FREE_TEXT = {
+    "HETERO_GATEWAY_TENANT_HEADER",  # any header name
     "HETERO_GATEWAY_PODS_FILE",
     "HETERO_GATEWAY_PROFILE_DIR",  # checked when the gateway starts (a directory)
     "REDIS_PASSWORD",
@@ -637,3 +646,32 @@ def test_otel_with_shadowed_protos_stops_start_up_with_the_fix(
     with pytest.raises(ConfigError, match=r"HETERO_GATEWAY_OTEL=true: the OTLP exporter .*"
                        r"--force-reinstall --no-deps opentelemetry-proto"):  # fmt: skip
         load_settings({"HETERO_GATEWAY_OTEL": "true"})
+
+
+def test_admission_reads_its_tables_and_refuses_what_it_cannot_use() -> None:
+    digest = hashlib.sha256(b"sk-alice").hexdigest()
+    env = {
+        "HETERO_GATEWAY_ADMISSION": "on",
+        "HETERO_GATEWAY_TENANT_HEADER": "X-Tenant",
+        "HETERO_GATEWAY_TENANT_TOKENS": f"alice:{digest.upper()}",
+        "HETERO_GATEWAY_PRIORITY_CLASSES": "interactive,batch",
+        "HETERO_GATEWAY_TENANT_CLASSES": "alice:interactive",
+        "HETERO_GATEWAY_TENANT_WEIGHTS": "alice:3",
+        "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": "2000",
+    }
+    settings = load_settings(env).admission
+    assert settings is not None
+    assert settings.tenancy.header == "x-tenant"  # Envoy hands header names over lower-cased
+    assert settings.tenancy.tenant(None, "Bearer sk-alice") == "alice"
+    assert settings.classes.rank("alice") == 0 and settings.classes.rank("bob") == 1
+    assert settings.weights == {"alice": 3.0} and settings.max_wait_s == 2.0
+    assert load_settings({**env, "HETERO_GATEWAY_ADMISSION": "off"}).admission is None
+    for name, value, says in (
+        ("HETERO_GATEWAY_TENANT_TOKENS", "alice:sk-alice", "not a SHA-256"),
+        ("HETERO_GATEWAY_TENANT_CLASSES", "alice:gold", "'gold' is not a class"),
+        ("HETERO_GATEWAY_TENANT_MAY_ASK", "alice:gold", "'gold' is not a class"),
+        ("HETERO_GATEWAY_TENANT_WEIGHTS", "alice:0", "not a positive number"),
+        ("HETERO_GATEWAY_TENANT_WEIGHTS", "alice:x", "not a positive number"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{name}: .*{says}"):
+            load_settings({**env, name: value})

@@ -105,6 +105,7 @@ class RoutingProcessor:
         "_tokens",
         "_tracer",
         "_usage_body",
+        "_wanted",
         "finished",
     )
 
@@ -119,8 +120,10 @@ class RoutingProcessor:
         strips_usage: bool = False,
         lock: HeaderLock | None = None,
         otel: RequestSpans | None = None,
+        wanted: frozenset[str] = _WANTED,
     ) -> None:
         self._router = router
+        self._wanted = wanted  # the request headers kept (`_WANTED`, with admission's)
         self._otel = otel  # set: OpenTelemetry spans per request
         self._spans: SpanSet | None = None
         self._lock = lock or HeaderLock()  # the routing headers clients may not send
@@ -174,8 +177,9 @@ class RoutingProcessor:
         self._arrived_at = self._router.now()
         headers = self._headers
         steering = 0  # client-sent steering headers: removed by this reply
+        wanted = self._wanted
         for h in msg.headers.headers:
-            if h.key in _WANTED:
+            if h.key in wanted:
                 headers[h.key] = _value(h)
             elif h.key in _STEERING_SET:
                 steering += 1
@@ -235,6 +239,17 @@ class RoutingProcessor:
             if slo is not None or selector_text:
                 selector = parse_selector(selector_text) if selector_text else None
                 request = dataclasses.replace(request, slo=slo, pod_selector=selector)
+            admission = self._router.admission
+            if admission is not None:
+                settings = admission.settings
+                tenancy = settings.tenancy
+                tenant = tenancy.tenant(
+                    headers.get(tenancy.header) if tenancy.header else None,
+                    headers.get("authorization"),
+                )
+                request = dataclasses.replace(
+                    request, tenant=tenant, priority_class=headers.get(settings.class_header)
+                )
             strategy, profile = self._router.select(
                 request, headers.get("routing-strategy"), headers.get(CONFIG_PROFILE_HEADER)
             )
@@ -283,7 +298,9 @@ class RoutingProcessor:
                             await woken
                     except TimeoutError:
                         pass
-                if not waiter.done:
+                # Woken without an outcome: admission handed it to a strategy that holds it
+                # with a deadline of its own, read again above.
+                if not waiter.done and waiter.deadline <= router.now():
                     router.expire(waiter)  # granted, rejected, or a later deadline
             decision = waiter.result()
         except RequestError as err:

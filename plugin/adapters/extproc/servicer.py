@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # imported by `serve` only when tracing (or OpenTelemetry) is
 
 from plugin.adapters.extproc.counting import CountingProcessor
 from plugin.adapters.extproc.locks import HeaderLock
-from plugin.adapters.extproc.messages import DEFAULT_MAX_HEADERS, ErrorCounts
+from plugin.adapters.extproc.messages import _WANTED, DEFAULT_MAX_HEADERS, ErrorCounts
 from plugin.adapters.extproc.routing import RoutingProcessor
 from plugin.adapters.extproc.tokens import LeaseHandoff, Processor
 
@@ -60,6 +60,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         timeout.FromMilliseconds(round(hold_timeout_s * 1000))
         self._hold_notice = pb.ProcessingResponse(override_message_timeout=timeout)
         self.handoff = LeaseHandoff(router, tracer=tracer, gateway_id=gateway_id)
+        # The request headers a routing stream keeps: admission reads two more.
+        self.wanted = _WANTED
+        if router.admission is not None:
+            settings = router.admission.settings
+            extra = {settings.class_header, settings.tenancy.header}
+            self.wanted = _WANTED | {h for h in extra if h}
 
     def processor_for(
         self, first: pb.ProcessingRequest, pick_only: bool = False, strips_usage: bool = False
@@ -77,6 +83,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             strips_usage,
             self.lock,
             self.otel,
+            self.wanted,
         )
 
     async def Process(

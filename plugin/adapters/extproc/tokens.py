@@ -186,7 +186,7 @@ def _finish(
         return
     request = decision.request
     router.completed(request.model, request.prompt_tokens, output, status)
-    router.finished(decision, status, tokens.felt)
+    router.finished(decision, status, tokens.felt, output)
     if decision.spans is not None:  # OpenTelemetry's, when on (`plugin.adapters.otel`)
         decision.spans.ended(status, output, tokens.felt)
     if tracer is not None:
