@@ -22,11 +22,17 @@ is full, and which waiting request goes next. The router holds requests by them 
   (VTC's counter lift), and a newcomer does not jump ahead of everyone for as long as its
   zero counter lasts.
 - **Full.** A model's fleet is full when no candidate has room: in flight at or above its batch
-  cap (`Candidate.saturation`: declared, exported or learned), or, where no cap is known yet, its
-  engine queueing (`waiting` at least 1 in its last fresh scrape). Overload is judged from what
-  the fleet learned of itself, not from a fixed count. While a model's fleet is full, or others
-  of its requests already wait, a new request joins the model's `FairQueue`; each released lease
-  (and each pool change) lets the queue's head go to its strategy while there is room.
+  cap (`Candidate.saturation`: declared, exported or learned; `UNKNOWN_CAP` before any is known)
+  or, with a GPU profile whose SLO sets a time per token, at the batch that keeps it
+  (`GpuProfile.slo_batch`: an engine's cap is what fits its memory, not what keeps an SLO), or
+  its engine queueing (`waiting`
+  at least 1 in its last fresh scrape: a KV cache fills before a declared cap). A request sent to
+  a queueing engine only waits there, in arrival order, instead of here in fair order; a scrape
+  as old as the scrape period may keep the fleet full that long after its queue drained.
+  Overload is judged from what the fleet learned of itself, not from a fixed count. While a
+  model's fleet is full, or others of its requests already wait, a new request joins the model's
+  `FairQueue`; each released lease (and each pool change) lets the queue's head go to its
+  strategy while there is room.
 - **Shedding.** A request that waits longer than its class may is answered 503 (OpenAI's
   `overloaded_error`) with `retry-after`; when the queue is at its bound, an arrival of a higher
   class sheds the newest request of the most-used tenant in the lowest class waiting, else it is
@@ -59,6 +65,7 @@ __all__ = [
     "gpu_seconds",
     "has_room",
     "token_digest",
+    "with_room",
 ]
 
 DEFAULT_TENANT = "default"
@@ -287,11 +294,23 @@ class FairQueue(Generic[T]):
         self.usage[tenant] = value
 
 
+# The batch cap admission assumes of a replica whose cap is not known yet: vLLM's default
+# `--max-num-seqs`. Without one, the engine's queue (read once a scrape period) is the only
+# bound, and a whole queue would pass in the period before the next scrape shows it.
+UNKNOWN_CAP = 256
+
+
 def _candidate_has_room(candidate: Candidate) -> bool:
-    """Below its batch cap; with no cap known, its engine not queueing (module docstring)."""
+    """Below its batch cap (`UNKNOWN_CAP` while none is known) and its GPU profile's SLO batch,
+    and its engine not queueing (module docstring)."""
     cap = candidate.saturation
-    if cap is not None:
-        return candidate.running < cap
+    if cap is None:
+        cap = UNKNOWN_CAP
+    profile = candidate.profile
+    if profile is not None and profile.slo_batch is not None and profile.slo_batch < cap:
+        cap = profile.slo_batch
+    if candidate.running >= cap:
+        return False
     waiting = candidate.waiting
     return waiting is None or waiting < 1
 
@@ -327,6 +346,18 @@ class Charge(NamedTuple):
     prefill_tokens_per_s: float | None
 
 
+def with_room(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    """The candidates with room: `candidates` itself when all have (O(1) on a view, the common
+    case), else those (a pass). A request admitted for room goes where the room is; a strategy
+    free to pick a full replica would queue it there and leave the room unused, letting the
+    whole queue through."""
+    if isinstance(candidates, CandidateView):
+        room = candidates.grouped_by(_WITH_ROOM).groups.get(True)
+        if room is not None and len(room) == len(candidates):
+            return candidates
+    return [c for c in candidates if _candidate_has_room(c)]
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     """Admission as the operator declares it (`plugin.config`: the HETERO_GATEWAY_ADMISSION_*
@@ -339,6 +370,17 @@ class AdmissionSettings:
     max_wait_s: float = 30.0  # the longest a request waits in the queue
     max_waiting: int = 1000  # per model; beyond, the lowest class is shed
     max_tenants: int = 1000  # tenants whose usage is remembered per model
+    # What fairness counts: `gpu-seconds` (the point), or, to compare with peers' rules,
+    # `tokens` (prompt and output, as AIBrix's VTC) or `requests` (as the endpoint picker's flow
+    # control): benchmarks/admission.py runs all three.
+    measure: str = "gpu-seconds"
+
+    def __post_init__(self) -> None:
+        if self.measure not in MEASURES:
+            raise ValueError(f"measure must be one of {MEASURES}: {self.measure!r}")
+
+
+MEASURES = ("gpu-seconds", "tokens", "requests")
 
 
 class Admission:
@@ -372,15 +414,42 @@ class Admission:
         """Whether an arrival waits: others of its model already do, or none has room."""
         return self.waiting(model) > 0 or not has_room(candidates)
 
-    def estimate(self, request: RequestInfo, candidate: Candidate) -> Charge:
-        """What the tenant is charged when the request is routed to `candidate`: its predicted
-        output (else `max_tokens`, else none) and prompt at the replica's learned speeds, which
-        the settlement at the end prices the real output by."""
-        output = request.predicted_output_tokens or request.max_tokens or 0
+    def estimate(
+        self, request: RequestInfo, candidate: Candidate, predicted: int | None = None
+    ) -> Charge:
+        """What the tenant is charged when the request is routed to `candidate`: its prompt and
+        `predicted` output (else `max_tokens`, else none) at the replica's speeds, which the
+        settlement at the end prices the real output by. With a GPU profile, its prefill and
+        decode speeds (`GpuProfile.prefill_tokens_per_s`, `decode_tokens_per_s`); without, the
+        output at the replica's learned throughput and the prompt free: that throughput counts
+        output tokens over all the replica's busy time, its prefills included, so it prices
+        them inside the output (well for a mix like the fleet's, poorly for a tenant of long
+        prompts and short answers on a replica busy with others')."""
+        output = predicted or request.max_tokens or 0
         profile = candidate.profile
         prefill = profile.prefill_tokens_per_s if profile is not None else None
-        decode = candidate.capacity
-        return Charge(gpu_seconds(request.prompt_tokens, output, decode, prefill), decode, prefill)
+        decode = profile.decode_tokens_per_s if profile is not None else None
+        charge = Charge(0.0, decode or candidate.capacity, prefill)
+        return charge._replace(gpu_s=self._amount(request.prompt_tokens, output, charge))
+
+    def settle(self, request: RequestInfo, output_tokens: int, charge: Charge) -> None:
+        """The request ended with `output_tokens`: charge its tenant the difference between
+        what it took and the estimate (possibly negative)."""
+        spent = self._amount(request.prompt_tokens, output_tokens, charge)
+        self.charge(request.model, request.tenant, spent - charge.gpu_s)
+
+    def _amount(self, prompt_tokens: int, output_tokens: int, charge: Charge) -> float:
+        measure = self.settings.measure
+        if measure == "gpu-seconds":
+            return gpu_seconds(
+                prompt_tokens,
+                output_tokens,
+                charge.decode_tokens_per_s,
+                charge.prefill_tokens_per_s,
+            )
+        if measure == "tokens":
+            return float(max(prompt_tokens, 0) + max(output_tokens, 0))
+        return 1.0
 
     def charge(self, model: str, tenant: str, gpu_s: float) -> None:
         """Add to the tenant's usage in the model's queue (an estimate, or a settlement's

@@ -50,11 +50,14 @@ __all__ = [
     "ProfiledRoute",
     "SloTarget",
     "beyond_grid",
+    "decode_speed",
     "late_rates",
     "mix_rates",
     "nearest_tick",
     "parse_profile",
+    "prefill_speed",
     "profile_key",
+    "slo_batch",
 ]
 
 # AIBrix's SLO argument names, in the order its profile builder applies them.
@@ -135,12 +138,18 @@ class GpuProfile:
     target: SloTarget = field(init=False, repr=False, compare=False)
     # Prompt tokens a replica prefills a second (`prefill_speed`); derived, None if unknown.
     prefill_tokens_per_s: float | None = field(init=False, repr=False, compare=False)
+    # Output tokens a replica decodes a second within the SLO (`decode_speed`); derived.
+    decode_tokens_per_s: float | None = field(init=False, repr=False, compare=False)
+    # Requests a replica holds in flight and still keeps its SLO (`slo_batch`); derived.
+    slo_batch: int | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mix_tputs", mix_rates(self.tputs, self.in_ticks))
         object.__setattr__(self, "late_tputs", late_rates(self.mix_tputs, self.in_ticks))
         object.__setattr__(self, "target", SloTarget.from_slos(self.slos))
         object.__setattr__(self, "prefill_tokens_per_s", prefill_speed(self))
+        object.__setattr__(self, "decode_tokens_per_s", decode_speed(self))
+        object.__setattr__(self, "slo_batch", slo_batch(self))
 
     def to_json(self) -> dict[str, Any]:
         """The document AIBrix writes (same keys, same order), then `e2e_idle` when known."""
@@ -417,4 +426,29 @@ def prefill_speed(profile: GpuProfile) -> float | None:
         if most > least and most_s > least_s:
             return max(plain, (most - least) / (most_s - least_s))
         return plain
+    return None
+
+
+def decode_speed(profile: GpuProfile) -> float | None:
+    """Output tokens a replica produces a second within the SLO when it decodes: at the grid's
+    shortest prompt, the best over answer lengths of the cell's rate times its answer length
+    (a batch's tokens, so one token's share of the GPU is its inverse). None when no cell of
+    that row is ever within the SLO."""
+    rates = [row[0] for row in profile.tputs]
+    best = max((r * t for r, t in zip(rates, profile.out_ticks, strict=True)), default=0.0)
+    return best if best > 0 and math.isfinite(best) else None
+
+
+def slo_batch(profile: GpuProfile) -> int | None:
+    """Requests a replica holds in flight while it keeps its SLO: by Little's law, the rate of
+    the grid's longest answers to its shortest prompt (decode-bound: what a batch's time per
+    token limits) times their mean E2E at that rate. An engine's own cap is what fits its
+    memory; this is what keeps the profile's SLO. At least 1; None without an E2E grid or a
+    rate within the SLO in that column."""
+    if profile.e2e is None:
+        return None
+    for row in range(len(profile.out_ticks) - 1, -1, -1):
+        rate, e2e = profile.tputs[row][0], profile.e2e[row][0]
+        if rate > 0 and e2e > 0 and math.isfinite(rate * e2e):
+            return max(1, math.floor(rate * e2e))
     return None

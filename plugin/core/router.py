@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.core.admission import Admission, Charge, gpu_seconds, has_room
+from plugin.core.admission import Admission, Charge, has_room, with_room
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import (
@@ -361,13 +361,7 @@ class Router:
         request, profiled = decision.request, decision.profiled
         charge = decision.charge
         if charge is not None and output_tokens is not None and self.admission is not None:
-            spent = gpu_seconds(
-                request.prompt_tokens,
-                output_tokens,
-                charge.decode_tokens_per_s,
-                charge.prefill_tokens_per_s,
-            )
-            self.admission.charge(request.model, request.tenant, spent - charge.gpu_s)
+            self.admission.settle(request, output_tokens, charge)
         target = request.slo
         if target is None and profiled is not None:
             target = profiled.profile.target
@@ -476,11 +470,13 @@ class Router:
         now = self._clock()
         candidates = self._candidates(request, now)
         admission = self.admission
-        if admission is not None and admission.should_hold(request.model, candidates):
-            waiter = self._hold_for_room(admission, request, strategy, now)
-            if waiter.done:  # room at once (queued behind none): routed, or its error
-                return waiter.result()
-            return waiter
+        if admission is not None:
+            if admission.should_hold(request.model, candidates):
+                waiter = self._hold_for_room(admission, request, strategy, now)
+                if waiter.done:  # room at once (queued behind none): routed, or its error
+                    return waiter.result()
+                return waiter
+            candidates = with_room(candidates)
         asked = strategy  # the name the client sees echoed, whoever routes
         answer, strategy, request = self._ask_strategy(request, strategy, candidates, now)
         if type(answer) is Route:
@@ -530,7 +526,10 @@ class Router:
         decision = self._decided(answer, request, name, lease, now)
         admission = self.admission
         if admission is not None:
-            charge = admission.estimate(request, answer.candidate)
+            predicted = request.predicted_output_tokens
+            if predicted is None:  # priced by the model's history of answers to such prompts
+                predicted = self.history.predict(request.model, request.prompt_tokens, now)
+            charge = admission.estimate(request, answer.candidate, predicted)
             admission.charge(request.model, request.tenant, charge.gpu_s)
             decision = dataclasses.replace(decision, charge=charge)
         return decision
@@ -602,7 +601,7 @@ class Router:
                     break
                 queue.pop()
                 waiter.admitting = False
-                self._ask(waiter, final=False, candidates=candidates)
+                self._ask(waiter, final=False, candidates=with_room(candidates))
         finally:
             self._draining.discard(model)
 

@@ -120,10 +120,12 @@ class SimSeq:
     __slots__ = (
         "arrival",
         "base",
+        "decode_mark",
         "epoch",
         "finish_at",
         "first_token_at",
         "generated",
+        "gpu_s",
         "output_tokens",
         "preemptions",
         "prefill_target",
@@ -157,6 +159,10 @@ class SimSeq:
         self.first_token_at = -1.0
         self.finish_at = -1.0
         self.preemptions = 0
+        # GPU time it took: its share of each step it was in, by marginal cost (`finish_step`);
+        # recomputation after a preemption included.
+        self.gpu_s = 0.0
+        self.decode_mark = 0.0  # the engine's per-token integral when it began decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +189,7 @@ class SimEngine:
         "busy_s",
         "generated_tokens",
         "name",
+        "per_token_s",
         "preemptions",
         "prefix_hit_tokens",
         "prefix_query_tokens",
@@ -204,6 +211,7 @@ class SimEngine:
         self.steps = 0
         self.busy_s = 0.0
         self.generated_tokens = 0
+        self.per_token_s = 0.0  # sum over steps of one decoding sequence's share of the step
         self.preemptions = 0
         self._prefixes: OrderedDict[int, int] = OrderedDict()  # group -> tokens, LRU first
         self._prefix_tokens = 0
@@ -297,6 +305,17 @@ class SimEngine:
         self.generated_tokens += self._decoding
         self.steps += 1
         k = self.steps
+        chunks = list(chunks)
+        # The step's time split by marginal cost: a decoding sequence weighs `b`, a prefill
+        # token `p` (the fixed cost `a` goes in the same proportion).
+        weight_decode, weight_prefill = self.profile.b_ms, self.profile.p_ms
+        if weight_decode <= 0 or weight_prefill <= 0:
+            weight_decode = weight_prefill = 1.0
+        work = weight_decode * self._decoding + weight_prefill * sum(n for _, n in chunks)
+        per_work = duration / work if work > 0 else 0.0
+        self.per_token_s += weight_decode * per_work  # each decoding sequence's share
+        for seq, n in chunks:
+            seq.gpu_s += n * weight_prefill * per_work
         for seq, _ in chunks:
             if seq.prefilled < seq.prefill_target or seq.rid not in self._prefilling:
                 continue
@@ -310,6 +329,7 @@ class SimEngine:
             if seq.first_token_at < 0:
                 seq.first_token_at = now
             seq.base = seq.prompt_tokens + seq.generated - k
+            seq.decode_mark = self.per_token_s
             self._kv_const += seq.base
             self._decoding += 1
             heapq.heappush(
@@ -323,6 +343,7 @@ class SimEngine:
                 continue
             seq.generated = seq.output_tokens
             seq.finish_at = now
+            seq.gpu_s += self.per_token_s - seq.decode_mark
             self._kv_const -= seq.base
             self._decoding -= 1
             del self._running[rid]
@@ -358,6 +379,7 @@ class SimEngine:
             self._prefill_kv -= seq.prefilled
         else:
             seq.generated = seq.base + self.steps - seq.prompt_tokens
+            seq.gpu_s += self.per_token_s - seq.decode_mark
             self._kv_const -= seq.base
             self._decoding -= 1
         seq.epoch += 1

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from plugin.core.admission import Admission, AdmissionSettings
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.fair_start import SLOW_START_MIN, SLOW_START_WINDOW_S
 from plugin.core.pool import Lease, PodPool
@@ -102,6 +103,8 @@ class RequestRecord:
     # When the gateway routed or rejected it (-1: never decided, as when the run ended first).
     decided: float = -1.0
     rejected: bool = False  # the strategy rejected it (at once or after waiting at the gateway)
+    tenant: str = "default"
+    gpu_s: float = 0.0  # GPU time it took on its engine (`SimSeq.gpu_s`)
 
     @property
     def completed(self) -> bool:
@@ -196,6 +199,7 @@ def simulate(
     max_tokens: int | None = None,
     swap: SpeedSwap | None = None,
     on_scrape: Callable[[float, PodPool], None] | None = None,
+    admission: AdmissionSettings | None = None,
 ) -> RunResult:
     """Run `requests` through a gateway with `strategy` in front of one engine per profile.
 
@@ -204,7 +208,8 @@ def simulate(
     requests whose whole sequence cannot fit a replica's KV cache. `book` holds the GPU
     profiles SLO routing reads (each pod's deployment is its GPU type's name); `max_tokens` is
     what every request's body asks for at most. `swap` changes two replicas' speeds mid-run;
-    `on_scrape(now, pool)` sees the gateway's state after each scrape tick.
+    `on_scrape(now, pool)` sees the gateway's state after each scrape tick. `admission` turns
+    the gateway's admission queue on (`plugin.core.admission`; requests carry their tenants).
     """
     gw = gateway or GatewayModel()
     names = replica_names(profiles)
@@ -230,7 +235,14 @@ def simulate(
     strategies = {strategy.name: strategy}
     if getattr(strategy, "needs_profiles", False):  # the router's fallback without profiles
         strategies.setdefault("least-request", build_strategies()["least-request"])
-    router = Router(pool, strategies, strategy.name, rng, lambda: now)
+    router = Router(
+        pool,
+        strategies,
+        strategy.name,
+        rng,
+        lambda: now,
+        admission=None if admission is None else Admission(admission),
+    )
 
     events: list[tuple[float, int, int, Any]] = []
     counter = 0
@@ -250,6 +262,7 @@ def simulate(
     decided = [-1.0] * len(requests)
     rejected = [False] * len(requests)
     leases: dict[int, Lease] = {}
+    decisions: dict[int, Decision] = {}  # charged by admission, settled when they end
     held: dict[Waiter, int] = {}  # requests waiting at the gateway -> their index
 
     def start_step(i: int) -> None:
@@ -274,6 +287,8 @@ def simulate(
             return
         placed[k] = i
         leases[seq.rid] = lease
+        if decision.charge is not None:
+            decisions[seq.rid] = decision
         engines[i].submit(seq)
         if not busy[i]:
             start_step(i)
@@ -328,6 +343,7 @@ def simulate(
                 max_tokens=max_tokens,
                 arrived_at=now,
                 prompt_parts=req.prompt_parts,
+                tenant=req.tenant,
             )
             try:
                 outcome = router.admit(info, strategy)
@@ -372,6 +388,9 @@ def simulate(
                     )
                 router.completed(MODEL, seq.prompt_tokens, seq.output_tokens, 200)
                 leases.pop(seq.rid).release(seq.output_tokens, 200, now)
+                charged = decisions.pop(seq.rid, None)
+                if charged is not None:  # admission settles its tenant's charge
+                    router.finished(charged, 200, None, seq.output_tokens)
             start_step(i)
         elif kind == _DECIDED:
             if not data.done:  # admission handed it to a strategy that holds it: new deadline
@@ -449,6 +468,8 @@ def simulate(
             measured[k],
             decided[k],
             rejected[k],
+            requests[k].tenant,
+            s.gpu_s,
         )
         for k, s in enumerate(seqs)
     )

@@ -37,6 +37,7 @@ class SimRequest:
     prefix_group: int = -1
     shared_tokens: int = 0
     prompt_parts: tuple[str, ...] = field(default=(), repr=False)
+    tenant: str = "default"  # who sent it (admission's fair queue)
 
 
 class LengthSource(Protocol):

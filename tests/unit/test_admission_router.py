@@ -14,7 +14,7 @@ from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.router import Decision, Router, Waiter
 from plugin.core.strategies import build_strategies
-from plugin.core.types import Pod, RequestInfo
+from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import Overloaded, error_reply
 from tests.helpers import make_pod
 from tests.unit.test_router import Clock, Limit
@@ -217,3 +217,49 @@ def test_the_settlement_charges_what_the_request_really_took() -> None:
     decision.lease.release(50, 200, 1.0)
     router.finished(decision, 200, output_tokens=50)
     assert admission.queue(MODEL).usage["t"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("measure", "charged", "settled"),
+    [("gpu-seconds", 2.0 + 0.01, 0.5 + 0.01), ("tokens", 210.0, 60.0), ("requests", 1.0, 1.0)],
+)
+def test_fairness_counts_what_its_measure_says(
+    measure: str, charged: float, settled: float
+) -> None:
+    """GPU-seconds price prompt and output at the replica's speeds; the peers' measures (for
+    comparison) count tokens or requests whatever the replica."""
+    admission = Admission(AdmissionSettings(measure=measure))
+    candidate = Candidate(capped("a", 4), 0, None, None, 100.0)
+    speeds = {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": None, "slo_batch": None}
+    candidate.profile = type("P", (), speeds)()  # no decode speed: the learned one prices
+    request = req("t", max_tokens=200, prompt_tokens=10)
+    charge = admission.estimate(request, candidate)
+    assert charge.gpu_s == pytest.approx(charged)
+    admission.charge(MODEL, "t", charge.gpu_s)
+    admission.settle(request, 50, charge)
+    assert admission.queue(MODEL).usage["t"] == pytest.approx(settled)
+
+
+def test_an_unknown_measure_is_refused() -> None:
+    with pytest.raises(ValueError, match="measure"):
+        AdmissionSettings(measure="dollars")
+
+
+def test_a_profile_s_decode_speed_prices_the_output_over_the_learned_throughput() -> None:
+    """The learned throughput counts a replica's prefill time too; its profile's decode speed
+    does not (`GpuProfile.decode_tokens_per_s`)."""
+    admission = Admission(AdmissionSettings())
+    candidate = Candidate(capped("a", 4), 0, None, None, 100.0)
+    speeds = {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 400.0, "slo_batch": None}
+    candidate.profile = type("P", (), speeds)()
+    charge = admission.estimate(req("t", prompt_tokens=10), candidate, predicted=200)
+    assert charge.gpu_s == pytest.approx(200 / 400 + 10 / 1000)
+
+
+def test_a_profile_s_slo_batch_bounds_the_room_below_the_engine_cap() -> None:
+    router, pool, _ = setup(cap=8)
+    speeds = {"prefill_tokens_per_s": None, "decode_tokens_per_s": None, "slo_batch": 2}
+    pool.candidates(MODEL, 0.0)[0].profile = type("P", (), speeds)()
+    routed(admit(router, req("t")))
+    routed(admit(router, req("t")))
+    waiting(admit(router, req("t")))  # two in flight keep the SLO; the engine would take 8

@@ -178,3 +178,22 @@ def test_a_preempted_request_with_a_cached_prefix_releases_all_the_kv_it_held() 
     assert all(s.finish_at > 0 for s in seqs)
     assert engine.kv_used() == 0 and engine.idle()
     assert engine.prefix_hit_tokens >= 2000
+
+
+@pytest.mark.parametrize("kv_tokens", [100_000, 300], ids=["roomy", "preempting"])
+def test_every_busy_second_is_charged_to_exactly_one_request(kv_tokens: int) -> None:
+    """`SimSeq.gpu_s` splits each step by marginal cost: the requests' GPU time adds up to the
+    engine's busy time, preemptions' recomputation included."""
+    engine = SimEngine("e", GpuProfile("t", 5, 0.1, 0.01, kv_tokens, max_batched_tokens=512))
+    seqs = [SimSeq(i, 0.0, 40 + 30 * i, 20 + 25 * i) for i in range(6)]
+    drive(engine, seqs)
+    assert sum(s.gpu_s for s in seqs) == pytest.approx(engine.busy_s)
+    assert all(s.gpu_s > 0 for s in seqs)
+
+
+def test_a_longer_answer_beside_a_shorter_one_takes_more_gpu_time() -> None:
+    engine = SimEngine("e", GpuProfile("t", 10, 0.1, 0.01, 100_000))
+    short, long = SimSeq(0, 0.0, 10, 10), SimSeq(1, 0.0, 10, 40)
+    drive(engine, [short, long])
+    # Together for 10 steps (halves), then the long one alone for 30 (whole steps).
+    assert long.gpu_s > 3 * short.gpu_s

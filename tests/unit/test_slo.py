@@ -575,6 +575,27 @@ def test_a_profile_s_prefill_speed_is_read_off_its_shortest_answers() -> None:
     assert dataclasses.replace(base, e2e=None, ttft=None).prefill_tokens_per_s is None
 
 
+def test_a_profile_s_decode_speed_and_slo_batch_come_from_its_shortest_prompts() -> None:
+    """Decode speed: the best rate x answer length at the shortest prompt; the SLO batch:
+    Little's law at its longest answers (rate x mean E2E)."""
+    profile = GpuProfile(
+        "fast",
+        1.0,
+        (32, 512),
+        (64, 4096),
+        ((20.0, 1.0), (3.0, 0.2)),
+        0.0,
+        ((0.35, 1.25), (9.0, 12.0)),
+        slos={"tpot": 0.05},
+    )
+    assert profile.decode_tokens_per_s == pytest.approx(3.0 * 512)  # not 20 x 32
+    assert profile.slo_batch == 27  # 3 req/s x 9 s
+    never = dataclasses.replace(profile, tputs=((20.0, 1.0), (0.0, 0.0)))
+    assert never.slo_batch == 7  # the longest answers with a rate: 20 x 0.35
+    assert dataclasses.replace(profile, e2e=None).slo_batch is None
+    assert dataclasses.replace(profile, tputs=((0.0, 1.0), (0.0, 0.2))).decode_tokens_per_s is None
+
+
 def test_history_drives_the_cell() -> None:
     router, _, clock, _ = setup(pod("f", "fast"))
     for _ in range(3):
