@@ -33,6 +33,8 @@ is full, and which waiting request goes next. The router holds requests by them 
   model's fleet is full, or others of its requests already wait, a new request joins the model's
   `FairQueue`; each released lease (and each pool change) lets the queue's head go to its
   strategy while there is room.
+  A replica keeps `TOP_CLASS_SHARE` of its room for the highest class: the others see it full
+  that much sooner.
 - **Shedding.** A request that waits longer than its class may is answered 503 (OpenAI's
   `overloaded_error`) with `retry-after`; when the queue is at its bound, an arrival of a higher
   class sheds the newest request of the most-used tenant in the lowest class waiting, else it is
@@ -300,41 +302,78 @@ class FairQueue(Generic[T]):
 UNKNOWN_CAP = 256
 
 
-def _candidate_has_room(candidate: Candidate) -> bool:
-    """Below its batch cap (`UNKNOWN_CAP` while none is known) and its GPU profile's SLO batch,
+# The share of each replica's room kept for the highest priority class: below the top class a
+# replica is full this much sooner, so a top-class request finds room while the others wait,
+# and a batch held at its SLO size by lower classes is smaller by this much (the margin against
+# the long prefills that stretch a full batch's steps).
+TOP_CLASS_SHARE = 0.1
+
+_ROOM, _TOP_ONLY = 0, 1  # room for every class; room for the highest class only
+
+
+def _room(candidate: Candidate) -> int | None:
+    """`_ROOM`, `_TOP_ONLY` or None (full): below its batch cap (`UNKNOWN_CAP` while none is
+    known) and its GPU profile's SLO batch, less `TOP_CLASS_SHARE` of it below the top class;
     and its engine not queueing (module docstring)."""
+    waiting = candidate.waiting
+    if waiting is not None and waiting >= 1:
+        return None
     cap = candidate.saturation
     if cap is None:
         cap = UNKNOWN_CAP
     profile = candidate.profile
     if profile is not None and profile.slo_batch is not None and profile.slo_batch < cap:
         cap = profile.slo_batch
-    if candidate.running >= cap:
-        return False
-    waiting = candidate.waiting
-    return waiting is None or waiting < 1
+    running = candidate.running
+    if running >= cap:
+        return None
+    return _ROOM if running < cap - math.floor(cap * TOP_CLASS_SHARE) else _TOP_ONLY
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class _WithRoom:
-    """Grouped-index spec: the candidates with room, one group (a view answers in O(1))."""
+class _ByRoom:
+    """Grouped-index spec: the candidates with room, by whom it is for (a view answers in
+    O(1))."""
 
     def group(self, candidate: Candidate) -> Hashable | None:
-        return True if _candidate_has_room(candidate) else None
+        return _room(candidate)
 
     def key(self, candidate: Candidate) -> tuple[float, ...]:
         return ()
 
 
-_WITH_ROOM = _WithRoom()
+_BY_ROOM = _ByRoom()
 
 
-def has_room(candidates: Sequence[Candidate]) -> bool:
-    """Whether some candidate can take a request without queueing it (module docstring): O(1)
-    on a pool's `CandidateView` (an index kept current per lease), a pass over a plain list."""
+def has_room(candidates: Sequence[Candidate], top: bool = True) -> bool:
+    """Whether some candidate can take a request of the highest class (`top`), or of any
+    class, without queueing it (module docstring): O(1) on a pool's `CandidateView` (an index
+    kept current per lease), a pass over a plain list."""
     if isinstance(candidates, CandidateView):
-        return bool(candidates.grouped_by(_WITH_ROOM).groups)
-    return any(_candidate_has_room(c) for c in candidates)
+        groups = candidates.grouped_by(_BY_ROOM).groups
+        return bool(groups) if top else _ROOM in groups
+    if top:
+        return any(_room(c) is not None for c in candidates)
+    return any(_room(c) == _ROOM for c in candidates)
+
+
+def with_room(candidates: Sequence[Candidate], top: bool = True) -> Sequence[Candidate]:
+    """The candidates with room for a request of the highest class (`top`) or of any:
+    `candidates` itself when all have (O(1) on a view, the common case), else those (a pass).
+    A request admitted for room goes where the room is; a strategy free to pick a full replica
+    would queue it there and leave the room unused, letting the whole queue through."""
+    if isinstance(candidates, CandidateView):
+        groups = candidates.grouped_by(_BY_ROOM).groups
+        room = groups.get(_ROOM)
+        count = 0 if room is None else len(room)
+        if top:
+            also = groups.get(_TOP_ONLY)
+            count += 0 if also is None else len(also)
+        if count == len(candidates):
+            return candidates
+    if top:
+        return [c for c in candidates if _room(c) is not None]
+    return [c for c in candidates if _room(c) == _ROOM]
 
 
 class Charge(NamedTuple):
@@ -344,18 +383,6 @@ class Charge(NamedTuple):
     gpu_s: float
     decode_tokens_per_s: float | None
     prefill_tokens_per_s: float | None
-
-
-def with_room(candidates: Sequence[Candidate]) -> Sequence[Candidate]:
-    """The candidates with room: `candidates` itself when all have (O(1) on a view, the common
-    case), else those (a pass). A request admitted for room goes where the room is; a strategy
-    free to pick a full replica would queue it there and leave the room unused, letting the
-    whole queue through."""
-    if isinstance(candidates, CandidateView):
-        room = candidates.grouped_by(_WITH_ROOM).groups.get(True)
-        if room is not None and len(room) == len(candidates):
-            return candidates
-    return [c for c in candidates if _candidate_has_room(c)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,9 +437,10 @@ class Admission:
         found = self.queues.get(model)
         return len(found) if found is not None else 0
 
-    def should_hold(self, model: str, candidates: Sequence[Candidate]) -> bool:
-        """Whether an arrival waits: others of its model already do, or none has room."""
-        return self.waiting(model) > 0 or not has_room(candidates)
+    def should_hold(self, model: str, candidates: Sequence[Candidate], rank: int) -> bool:
+        """Whether an arrival of class `rank` waits: others of its model already do, or none
+        has room for its class."""
+        return self.waiting(model) > 0 or not has_room(candidates, rank == 0)
 
     def estimate(
         self, request: RequestInfo, candidate: Candidate, predicted: int | None = None

@@ -471,12 +471,13 @@ class Router:
         candidates = self._candidates(request, now)
         admission = self.admission
         if admission is not None:
-            if admission.should_hold(request.model, candidates):
+            top = admission.rank(request) == 0
+            if admission.should_hold(request.model, candidates, 0 if top else 1):
                 waiter = self._hold_for_room(admission, request, strategy, now)
                 if waiter.done:  # room at once (queued behind none): routed, or its error
                     return waiter.result()
                 return waiter
-            candidates = with_room(candidates)
+            candidates = with_room(candidates, top)
         asked = strategy  # the name the client sees echoed, whoever routes
         answer, strategy, request = self._ask_strategy(request, strategy, candidates, now)
         if type(answer) is Route:
@@ -597,11 +598,12 @@ class Router:
                     waiter.admitting = False
                     self._settled(waiter, None, err)
                     continue
-                if not has_room(candidates):
+                top = admission.rank(waiter.request) == 0
+                if not has_room(candidates, top):
                     break
                 queue.pop()
                 waiter.admitting = False
-                self._ask(waiter, final=False, candidates=with_room(candidates))
+                self._ask(waiter, final=False, candidates=with_room(candidates, top))
         finally:
             self._draining.discard(model)
 

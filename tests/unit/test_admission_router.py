@@ -263,3 +263,15 @@ def test_a_profile_s_slo_batch_bounds_the_room_below_the_engine_cap() -> None:
     routed(admit(router, req("t")))
     routed(admit(router, req("t")))
     waiting(admit(router, req("t")))  # two in flight keep the SLO; the engine would take 8
+
+
+def test_the_top_class_keeps_a_tenth_of_each_replica_s_room() -> None:
+    router, pool, _ = setup(cap=10)
+    for _ in range(9):
+        routed(admit(router, req("bulk")))
+    batch = waiting(admit(router, req("bulk")))  # the tenth slot is the interactive class's
+    chat = routed(admit(router, req("chat")))
+    assert pool.inflight("ns/a") == 10 and not batch.done
+    chat.lease.release()
+    assert not batch.done  # still the reserved slot
+    routed(admit(router, req("chat")))  # while an interactive request takes it at once
