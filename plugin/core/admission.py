@@ -332,8 +332,7 @@ def _room(candidate: Candidate) -> int | None:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class _ByRoom:
-    """Grouped-index spec: the candidates with room, by whom it is for (a view answers in
-    O(1))."""
+    """Group spec: the candidates with room, by whom it is for (a view counts them in O(1))."""
 
     def group(self, candidate: Candidate) -> Hashable | None:
         return _room(candidate)
@@ -350,8 +349,8 @@ def has_room(candidates: Sequence[Candidate], top: bool = True) -> bool:
     class, without queueing it (module docstring): O(1) on a pool's `CandidateView` (an index
     kept current per lease), a pass over a plain list."""
     if isinstance(candidates, CandidateView):
-        groups = candidates.grouped_by(_BY_ROOM).groups
-        return bool(groups) if top else _ROOM in groups
+        counts = candidates.counted_by(_BY_ROOM).counts
+        return bool(counts) if top else _ROOM in counts
     if top:
         return any(_room(c) is not None for c in candidates)
     return any(_room(c) == _ROOM for c in candidates)
@@ -363,12 +362,8 @@ def with_room(candidates: Sequence[Candidate], top: bool = True) -> Sequence[Can
     A request admitted for room goes where the room is; a strategy free to pick a full replica
     would queue it there and leave the room unused, letting the whole queue through."""
     if isinstance(candidates, CandidateView):
-        groups = candidates.grouped_by(_BY_ROOM).groups
-        room = groups.get(_ROOM)
-        count = 0 if room is None else len(room)
-        if top:
-            also = groups.get(_TOP_ONLY)
-            count += 0 if also is None else len(also)
+        counts = candidates.counted_by(_BY_ROOM).counts
+        count = counts.get(_ROOM, 0) + (counts.get(_TOP_ONLY, 0) if top else 0)
         if count == len(candidates):
             return candidates
     if top:

@@ -380,7 +380,13 @@ class Router:
                     self.on_warning(warning)
 
     def _decided(
-        self, answer: Route, request: RequestInfo, name: str, lease: Lease, now: float
+        self,
+        answer: Route,
+        request: RequestInfo,
+        name: str,
+        lease: Lease,
+        now: float,
+        charge: Charge | None = None,
     ) -> Decision:
         """The decision for a route taken; a request beyond its profile's grid is counted."""
         profiled = answer.profiled
@@ -391,7 +397,7 @@ class Router:
             )
             if warning is not None:
                 self.on_warning(warning)
-        return Decision(lease, name, request, now, answer.expected_e2e_s, profiled)
+        return Decision(lease, name, request, now, answer.expected_e2e_s, profiled, charge=charge)
 
     def completed(self, model: str, prompt_tokens: int, output_tokens: int, status: int) -> None:
         """A response ended: a successful one teaches the output-length history."""
@@ -524,16 +530,15 @@ class Router:
             now,
         )
         strategy.routed(answer.candidate, request)
-        decision = self._decided(answer, request, name, lease, now)
         admission = self.admission
+        charge = None
         if admission is not None:
             predicted = request.predicted_output_tokens
             if predicted is None:  # priced by the model's history of answers to such prompts
                 predicted = self.history.predict(request.model, request.prompt_tokens, now)
             charge = admission.estimate(request, answer.candidate, predicted)
             admission.charge(request.model, request.tenant, charge.gpu_s)
-            decision = dataclasses.replace(decision, charge=charge)
-        return decision
+        return self._decided(answer, request, name, lease, now, charge)
 
     # admission -------------------------------------------------------------------------------
     def _hold_for_room(

@@ -15,7 +15,9 @@ A strategy whose rule first splits the pool (SLO routing: by deployment, whose G
 decides what a request costs there) asks for a `GroupedIndex` (`view.grouped_by(spec)`): one
 sorted list per group, kept current the same way, so it reads a few groups' ends instead of
 every candidate. `tied_run`/`choose_tied` then draw among candidates tied across groups exactly
-as `rng.choice` over them in discovery order would.
+as `rng.choice` over them in discovery order would. A rule that only asks how many candidates
+are in each group (admission: how many have room) asks for `GroupCounts` (`view.counted_by`):
+a count per group, O(1) to keep.
 `docs/architecture.md` ("Routing at scale") says which strategy uses what.
 """
 
@@ -32,6 +34,7 @@ from plugin.core.types import Candidate
 
 __all__ = [
     "CandidateView",
+    "GroupCounts",
     "GroupSpec",
     "GroupedIndex",
     "IndexSpec",
@@ -170,6 +173,43 @@ class GroupedIndex:
         return self._slots[order]
 
 
+class GroupCounts:
+    """How many of the view's routable candidates are in each `spec.group` (`key` unused);
+    a group with none is dropped, so `counts` lists exactly the groups that have a member."""
+
+    __slots__ = ("_slots", "_where", "counts", "spec", "used")
+
+    def __init__(self, spec: GroupSpec, slots: Sequence[Candidate], members: Sequence[int]) -> None:
+        self.spec = spec
+        self._slots = slots
+        self._where: dict[int, Hashable] = {}
+        self.counts: dict[Hashable, int] = {}
+        for order in members:
+            self._add(order)
+        self.used = True
+
+    def rebuilt(self, members: Sequence[int]) -> GroupCounts:
+        return GroupCounts(self.spec, self._slots, members)
+
+    def _add(self, order: int) -> None:
+        group = self.spec.group(self._slots[order])
+        if group is not None:
+            self._where[order] = group
+            self.counts[group] = self.counts.get(group, 0) + 1
+
+    def update(self, order: int, routable: bool) -> None:
+        """The candidate at `order` changed (or joined or left the routable set)."""
+        old = self._where.pop(order, None)
+        if old is not None:
+            left = self.counts[old] - 1
+            if left:
+                self.counts[old] = left
+            else:
+                del self.counts[old]
+        if routable:
+            self._add(order)
+
+
 _FEW_TIED = 32
 
 # A run of tied entries in one group's sorted list: (entries, key, start, stop).
@@ -241,7 +281,7 @@ class CandidateView(Sequence[Candidate]):
         self.slots = slots  # every pod of the model, in discovery order
         self._members: list[int] = []  # orders of the routable ones
         self._routable: list[bool] = [False] * len(slots)
-        self._indexes: dict[IndexSpec | GroupSpec, OrderedIndex | GroupedIndex] = {}
+        self._indexes: dict[IndexSpec | GroupSpec, OrderedIndex | GroupedIndex | GroupCounts] = {}
         self.known_capacities = 0  # routable candidates with a usable capacity estimate
         self.capacity_total = 0.0  # the sum of those estimates (set with known_capacities)
         self._running = [0] * len(slots)  # each routable candidate's running, as summed
@@ -288,6 +328,16 @@ class CandidateView(Sequence[Candidate]):
         else:
             found.used = True
         assert isinstance(found, GroupedIndex)
+        return found
+
+    def counted_by(self, spec: GroupSpec) -> GroupCounts:
+        """The group counts for `spec`, built on first use and kept current from then on."""
+        found = self._indexes.get(spec)
+        if found is None:
+            found = self._indexes[spec] = GroupCounts(spec, self.slots, self._members)
+        else:
+            found.used = True
+        assert isinstance(found, GroupCounts)
         return found
 
     # maintenance (the pool calls these) --------------------------------------------------------

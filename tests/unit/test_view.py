@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plugin.core import view as view_module
+from plugin.core.admission import has_room, with_room
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.fair_start import starting_capacities
 from plugin.core.pool import EjectionPolicy, Lease, PodPool
@@ -96,6 +97,11 @@ def check(pool: PodPool, pods: list[Pod], now: float, seed: int) -> None:
     known = [c.capacity for c in plain if c.capacity is not None and usable_capacity(c.capacity)]
     assert view.known_capacities == len(known)
     assert view.capacity_total == pytest.approx(sum(known))
+    for top in (True, False):  # admission's room, counted by the view
+        assert has_room(view, top) == has_room(plain, top)
+        assert [c.pod.key for c in with_room(view, top)] == [
+            c.pod.key for c in with_room(plain, top)
+        ]
     request = RequestInfo(MODEL)
     for lb in SETTINGS:
         fast, slow = build_strategies(lb), build_strategies(lb)
