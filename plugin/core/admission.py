@@ -481,9 +481,3 @@ class Admission:
         queue.charge(tenant, gpu_s)
         if len(queue.usage) > self.settings.max_tenants:
             queue.forget_idle(self.settings.max_tenants)
-
-    def forget(self, model: str) -> None:
-        """The model is gone: its queue's usage goes (its waiters were answered)."""
-        found = self.queues.get(model)
-        if found is not None and not found:
-            del self.queues[model]

@@ -1,0 +1,87 @@
+"""Data plane, admission (`docs/admission.md`): through a real Envoy to a mock engine whose GPU
+profile keeps one request in flight within its SLO, an interactive request that arrives after a
+batch one is served first, and the batch one, once it has waited its limit, is answered 503 in
+OpenAI's shape with `retry-after`, which Envoy hands to the client unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
+from tests.helpers import chat_body
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio]
+
+MODEL = "llama-3-8b"
+
+
+def _one_in_flight_profile(directory: Path) -> None:
+    """A GPU profile whose SLO batch is one request (rate 0.1/s x mean E2E 2 s, at least 1)."""
+    profile = {
+        "gpu": "a100",
+        "cost": 1.0,
+        "tputs": [[0.1]],
+        "indexes": [[32], [16]],
+        "created": time.time(),
+        "e2e": [[2.0]],
+        "slos": {"percentile": 0, "tpot": 1.0},
+    }
+    (directory / MODEL).mkdir(parents=True)
+    (directory / MODEL / "a100.json").write_bytes(orjson.dumps(profile))
+
+
+async def _post(url: str, tenant: str) -> tuple[int, dict[str, str], bytes, float]:
+    """(status, headers, body, seconds taken) of one chat completion through Envoy."""
+    started = time.monotonic()
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
+        session.post(
+            f"{url}/v1/chat/completions",
+            json=chat_body(MODEL, 32, content="x" * 64),
+            headers={"x-tenant": tenant},
+        ) as resp,
+    ):
+        body = await resp.read()
+        headers = {k.lower(): v for k, v in resp.headers.items()}
+        return resp.status, headers, body, time.monotonic() - started
+
+
+async def test_the_interactive_class_goes_first_and_the_batch_one_is_shed(tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles"
+    _one_in_flight_profile(profiles)
+    spec = FleetSpec(
+        model=MODEL,
+        presets=("a100",),
+        time_scale=6.0,  # 32 tokens take about 2 s
+        listen_port=free_port(),
+        plugin_env={
+            "HETERO_GATEWAY_PROFILE_DIR": str(profiles),
+            "HETERO_GATEWAY_ADMISSION": "on",
+            "HETERO_GATEWAY_TENANT_HEADER": "x-tenant",
+            "HETERO_GATEWAY_PRIORITY_CLASSES": "interactive,batch",
+            "HETERO_GATEWAY_TENANT_CLASSES": "chat:interactive",
+            "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": "3000",
+        },
+    )
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        first = asyncio.create_task(_post(fleet.envoy_url, "bulk"))
+        await asyncio.sleep(0.3)  # on the a100, which holds one within its SLO
+        waiting = asyncio.create_task(_post(fleet.envoy_url, "bulk"))
+        await asyncio.sleep(0.3)
+        chat = await _post(fleet.envoy_url, "chat")  # queued after the second, served first
+        shed = await waiting
+        served = await first
+    assert served[0] == 200 and chat[0] == 200
+    assert chat[3] > 1.0  # it waited for the first to end
+    status, headers, body, took = shed
+    assert status == 503, body
+    assert int(headers["retry-after"]) >= 1
+    assert headers.get("x-error-routing") == "true"
+    assert orjson.loads(body)["error"]["type"] == "overloaded_error"
+    assert took >= 2.9  # its limit, while the interactive request held the a100
