@@ -21,6 +21,7 @@ from prometheus_client.utils import floatToGoString
 from plugin.adapters.extproc import ErrorCounts
 from plugin.adapters.profiles import ProfileLoader
 from plugin.adapters.scraper import UNREACHABLE, UNUSABLE, MetricsScraper
+from plugin.core.admission import Admission
 from plugin.core.drift import BeyondGrid, ProfileDrift, cell_label
 from plugin.core.latency import ClientLatency, Histogram, SloOutcomes
 from plugin.core.pool import PodPool
@@ -185,6 +186,44 @@ def profile_families(beyond: BeyondGrid, drift: ProfileDrift) -> Iterator[Metric
         requests.add_metric(values, cell.requests)
     yield ratio
     yield requests
+
+
+class AdmissionCollector(Collector):
+    """Admission's figures (`plugin.core.admission`), when it is on."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[Metric]:
+        admission = self._admission
+        used = CounterMetricFamily(
+            "hetero_gateway_tenant_gpu_seconds",
+            "GPU time the tenant's finished requests took, priced at the serving replica's speeds"
+            " (its GPU profile's, else its learned throughput); beyond 1,000 tenants a model, the"
+            " others as (other).",
+            labels=["model", "tenant"],
+        )
+        for (model, tenant), value in sorted(admission.gpu_seconds.items()):
+            used.add_metric([model, tenant], value)
+        yield used
+        shed = CounterMetricFamily(
+            "hetero_gateway_admission_shed_requests",
+            "Requests admission refused with 503, by class and why: timeout (waited the limit),"
+            " displaced (a higher class took its place in a full queue), full (the queue was"
+            " full of its class or higher).",
+            labels=["model", "class", "reason"],
+        )
+        for (model, name, why), count in sorted(admission.shed.items()):
+            shed.add_metric([model, name, why], count)
+        yield shed
+        queued = GaugeMetricFamily(
+            "hetero_gateway_admission_waiting_requests",
+            "Requests waiting for room in admission's queue, by class.",
+            labels=["model", "class"],
+        )
+        for (model, name), count in sorted(admission.waiting_by_class().items()):
+            queued.add_metric([model, name], count)
+        yield queued
 
 
 class GatewayCollector(Collector):
@@ -415,8 +454,11 @@ def build_app(
     beyond: BeyondGrid | None = None,
     drift: ProfileDrift | None = None,
     latency: LatencyView | None = None,
+    admission: Admission | None = None,
 ) -> web.Application:
     registry = CollectorRegistry()
+    if admission is not None:
+        registry.register(AdmissionCollector(admission))
     registry.register(
         GatewayCollector(
             pool,

@@ -315,6 +315,7 @@ class Gateway:
             latency=LatencyView(
                 self.router.latency, self.router.decision_time, self.router.slo_outcomes
             ),
+            admission=self.router.admission,
         )
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -58,6 +58,7 @@ from plugin.core.view import CandidateView
 
 __all__ = [
     "DEFAULT_TENANT",
+    "OTHER_TENANTS",
     "Admission",
     "AdmissionSettings",
     "Charge",
@@ -71,6 +72,7 @@ __all__ = [
 ]
 
 DEFAULT_TENANT = "default"
+OTHER_TENANTS = "(other)"  # the metric label of tenants beyond the bound
 
 T = TypeVar("T")
 
@@ -413,11 +415,16 @@ class Admission:
     are the router's waiters; nothing here reads a clock or keeps a pod.
     """
 
-    __slots__ = ("queues", "settings")
+    __slots__ = ("gpu_seconds", "queues", "settings", "shed")
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
         self.queues: dict[str, FairQueue[object]] = {}  # model -> its queue (made on first use)
+        # For /metrics: GPU-seconds the requests of each (model, tenant) took, settled (at most
+        # `max_tenants` tenants a model by name, the rest as OTHER_TENANTS), and requests shed
+        # per (model, class, why).
+        self.gpu_seconds: dict[tuple[str, str], float] = {}
+        self.shed: dict[tuple[str, str, str], int] = {}
 
     def rank(self, request: RequestInfo) -> int:
         return self.settings.classes.rank(request.tenant, request.priority_class)
@@ -460,6 +467,32 @@ class Admission:
         what it took and the estimate (possibly negative)."""
         spent = self._amount(request.prompt_tokens, output_tokens, charge)
         self.charge(request.model, request.tenant, spent - charge.gpu_s)
+        took = gpu_seconds(
+            request.prompt_tokens,
+            output_tokens,
+            charge.decode_tokens_per_s,
+            charge.prefill_tokens_per_s,
+        )
+        key = (request.model, request.tenant)
+        totals = self.gpu_seconds
+        if key not in totals and len(totals) >= self.settings.max_tenants:
+            key = (request.model, OTHER_TENANTS)  # a bound on the metric's series
+        totals[key] = totals.get(key, 0.0) + took
+
+    def count_shed(self, request: RequestInfo, why: str) -> None:
+        """A request of this class was refused (`why`: `timeout`, `displaced`, `full`)."""
+        names = self.settings.classes.names
+        key = (request.model, names[min(self.rank(request), len(names) - 1)], why)
+        self.shed[key] = self.shed.get(key, 0) + 1
+
+    def waiting_by_class(self) -> dict[tuple[str, str], int]:
+        """Requests waiting per (model, class)."""
+        names = self.settings.classes.names
+        return {
+            (model, name): queue.waiting(rank)
+            for model, queue in self.queues.items()
+            for rank, name in enumerate(names)
+        }
 
     def _amount(self, prompt_tokens: int, output_tokens: int, charge: Charge) -> float:
         measure = self.settings.measure

@@ -552,9 +552,11 @@ class Router:
         if len(queue) >= admission.settings.max_waiting:
             shed = queue.shed(rank)
             if not isinstance(shed, Waiter):
+                admission.count_shed(request, "full")
                 raise self._overloaded(
                     admission, model, rank, now, f"{len(queue)} requests already wait"
                 )
+            admission.count_shed(shed.request, "displaced")
             shed.admitting = False
             self._settled(
                 shed,
@@ -690,6 +692,7 @@ class Router:
             if now < waiter.deadline:
                 return
             rank = admission.rank(waiter.request)
+            admission.count_shed(waiter.request, "timeout")
             error = self._overloaded(
                 admission,
                 waiter.request.model,

@@ -1609,6 +1609,14 @@ async def test_admission_serves_the_higher_class_first_and_sheds_with_retry_afte
     assert int(headers["retry-after"]) >= 1 and headers["x-error-routing"] == b"true"
     assert orjson.loads(immediate.body)["error"]["type"] == "overloaded_error"
     assert r.gateway.router.waiting() == 0
+    async with aiohttp.ClientSession() as http, http.get(f"{r.http}/metrics") as resp:
+        page = await resp.text()
+    shed = _samples(page, "hetero_gateway_admission_shed_requests_total")
+    assert shed == {(("class", "batch"), ("model", MODEL), ("reason", "timeout")): 1.0}
+    assert _samples(page, "hetero_gateway_admission_waiting_requests") == {
+        (("class", "interactive"), ("model", MODEL)): 0.0,
+        (("class", "batch"), ("model", MODEL)): 0.0,
+    }
     await bulk_stream.finish()
     for s in (chat_stream, second):
         await s.send(response_headers(200, end_of_stream=True))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from plugin.core.admission import Admission, AdmissionSettings, ClassTable
+from plugin.core.admission import OTHER_TENANTS, Admission, AdmissionSettings, ClassTable
 from plugin.core.capacity import CapacityEstimator
 from plugin.core.pool import PodPool
 from plugin.core.router import Decision, Router, Waiter
@@ -143,6 +143,8 @@ def test_waiting_past_the_class_limit_is_a_503_with_retry_after() -> None:
         held.result()
     reply = error_reply(caught.value)
     assert reply.status == 503 and ("retry-after", "5") in reply.headers
+    assert router.admission is not None
+    assert router.admission.shed == {(MODEL, "batch", "timeout"): 1}
     assert router.waiting(MODEL) == 0 and pool.inflight("ns/a") == 1
 
 
@@ -160,6 +162,8 @@ def test_a_full_queue_sheds_the_newest_of_the_lowest_class_for_a_higher_one() ->
     with pytest.raises(Overloaded):
         new_bulk.result()
     assert router.waiting(MODEL) == 2
+    assert admission.shed == {(MODEL, "batch", "full"): 1, (MODEL, "batch", "displaced"): 1}
+    assert admission.waiting_by_class() == {(MODEL, "interactive"): 1, (MODEL, "batch"): 1}
 
 
 def test_a_cancelled_waiter_leaves_the_queue_and_takes_nothing() -> None:
@@ -217,6 +221,20 @@ def test_the_settlement_charges_what_the_request_really_took() -> None:
     decision.lease.release(50, 200, 1.0)
     router.finished(decision, 200, output_tokens=50)
     assert admission.queue(MODEL).usage["t"] == pytest.approx(0.5)
+    assert admission.gpu_seconds == {(MODEL, "t"): pytest.approx(0.5)}  # for /metrics
+
+
+def test_the_gpu_time_metric_keeps_a_bounded_number_of_tenants() -> None:
+    admission = Admission(AdmissionSettings(max_tenants=2))
+    candidate = Candidate(capped("a", 4), 0, None, None, 100.0)
+    for tenant in ("a", "b", "c", "d"):
+        request = req(tenant)
+        admission.settle(request, 100, admission.estimate(request, candidate))
+    assert admission.gpu_seconds == {
+        (MODEL, "a"): pytest.approx(1.0),
+        (MODEL, "b"): pytest.approx(1.0),
+        (MODEL, OTHER_TENANTS): pytest.approx(2.0),
+    }
 
 
 @pytest.mark.parametrize(
