@@ -79,6 +79,10 @@ def overload(
     for label, settings in (
         ("without admission", None),
         ("admission", AdmissionSettings(classes=CLASSES)),
+        (
+            "admission, batch waits 2 s at most",
+            AdmissionSettings(classes=CLASSES, class_max_wait_s={"batch": 2.0}),
+        ),
     ):
         started = time.perf_counter()
         result = simulate(

@@ -174,7 +174,8 @@ class Gateway:
         # A held request's reply may take up to the longest hold; 1 s more covers the answer.
         longest_hold = settings.slo.max_wait_s
         if settings.admission is not None:
-            longest_hold = max(longest_hold, settings.admission.max_wait_s)
+            waits = settings.admission.class_max_wait_s.values()
+            longest_hold = max(longest_hold, settings.admission.max_wait_s, *waits)
         self.servicer = ExtProcServicer(
             self.router,
             longest_hold + 1.0,

@@ -10,6 +10,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from plugin.config.kinds import Invalid
 from plugin.config.variables import (
     _EJECT,
     ADMISSION,
@@ -21,6 +22,7 @@ from plugin.config.variables import (
     AUTO_BLEND_PC_WEIGHT,
     CAPACITY_TAU_S,
     CAPACITY_WINDOW_S,
+    CLASS_MAX_WAIT_MS,
     CLIENT_HEADERS,
     DENIED_HEADER_ACTION,
     DEPLOYMENT_LABEL,
@@ -226,6 +228,18 @@ def _admission_settings(env: Mapping[str, str]) -> AdmissionSettings | None:
                 f"{var.name}: {unknown[0]!r} is not a class of"
                 f" {PRIORITY_CLASSES.name}={','.join(names)}"
             )
+    class_waits: dict[str, float] = {}
+    ceiling = ADMISSION_MAX_WAIT_MS.kind
+    for name, text in CLASS_MAX_WAIT_MS.read(env):
+        if name not in names:
+            raise ConfigError(
+                f"{CLASS_MAX_WAIT_MS.name}: {name!r} is not a class of"
+                f" {PRIORITY_CLASSES.name}={','.join(names)}"
+            )
+        try:
+            class_waits[name] = ceiling.parse(text) / 1000.0
+        except Invalid as bad:
+            raise ConfigError(f"{CLASS_MAX_WAIT_MS.name}: {name}:{text}{bad.tail}") from None
     header = TENANT_HEADER.read(env)
     settings = AdmissionSettings(
         tenancy=Tenancy(header.lower() if header else None, tokens),
@@ -237,6 +251,7 @@ def _admission_settings(env: Mapping[str, str]) -> AdmissionSettings | None:
         ),
         weights=weights,
         max_wait_s=ADMISSION_MAX_WAIT_MS.read(env) / 1000.0,
+        class_max_wait_s=class_waits,
         max_waiting=MAX_WAITING.read(env),
     )
     return settings if ADMISSION.read(env) else None

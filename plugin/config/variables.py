@@ -416,6 +416,15 @@ ADMISSION_MAX_WAIT_MS: Var[int] = Var(
     " Envoy's ext_proc max_message_timeout (60 s) less 1 s. `HETERO_GATEWAY_MAX_WAITING` bounds"
     " the queue per model.",
 )
+CLASS_MAX_WAIT_MS: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_CLASS_MAX_WAIT_MS",
+    Pairs("class:milliseconds"),
+    (),
+    "Admission: a class's own longest wait, instead of `HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS`"
+    " (`batch:2000`: a batch request is refused with `retry-after` after 2 s rather than served"
+    " late); same bounds.",
+    shown_default="(none)",
+)
 DEPLOYMENT_LABEL: Var[str] = Var(
     "AIBRIX_POD_DEPLOYMENT_LABEL",
     LabelKey(),
@@ -611,6 +620,7 @@ ENV_VARS: tuple[Var[Any], ...] = (
     TENANT_MAY_ASK,
     TENANT_WEIGHTS,
     ADMISSION_MAX_WAIT_MS,
+    CLASS_MAX_WAIT_MS,
     DEPLOYMENT_LABEL,
     PROFILE_DIR,
     REDIS_HOST,

@@ -392,6 +392,7 @@ class AdmissionSettings:
     class_header: str = "x-priority-class"  # the class a request asks for, where allowed
     weights: Mapping[str, float] = field(default_factory=dict)  # tenant -> weight (default 1)
     max_wait_s: float = 30.0  # the longest a request waits in the queue
+    class_max_wait_s: Mapping[str, float] = field(default_factory=dict)  # class -> its own
     max_waiting: int = 1000  # per model; beyond, the lowest class is shed
     max_tenants: int = 1000  # tenants whose usage is remembered per model
     # What fairness counts: `gpu-seconds` (the point), or, to compare with peers' rules,
@@ -428,6 +429,13 @@ class Admission:
 
     def rank(self, request: RequestInfo) -> int:
         return self.settings.classes.rank(request.tenant, request.priority_class)
+
+    def max_wait_s(self, rank: int) -> float:
+        """The longest a request of class `rank` waits: its class's own, else the default."""
+        settings = self.settings
+        names = settings.classes.names
+        name = names[min(rank, len(names) - 1)]
+        return settings.class_max_wait_s.get(name, settings.max_wait_s)
 
     def queue(self, model: str) -> FairQueue[object]:
         found = self.queues.get(model)

@@ -569,7 +569,7 @@ class Router:
                     "a request of a higher priority class took its place in the full queue",
                 ),
             )
-        wait = Wait(now + admission.settings.max_wait_s)
+        wait = Wait(now + admission.max_wait_s(rank))
         waiter = Waiter(self, request, strategy, wait)
         waiter.admitting = True
         queue.push(waiter, request.tenant, rank)

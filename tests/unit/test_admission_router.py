@@ -148,6 +148,24 @@ def test_waiting_past_the_class_limit_is_a_503_with_retry_after() -> None:
     assert router.waiting(MODEL) == 0 and pool.inflight("ns/a") == 1
 
 
+def test_a_class_may_have_its_own_longest_wait() -> None:
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([capped("a", 1)])
+    clock = Clock()
+    settings = AdmissionSettings(classes=CLASSES, max_wait_s=5.0, class_max_wait_s={"batch": 1})
+    router = Router(
+        pool,
+        build_strategies(),
+        "least-request",
+        random.Random(0),
+        clock,
+        admission=Admission(settings),
+    )
+    routed(admit(router, req("t")))
+    assert waiting(admit(router, req("bulk"))).deadline == 1.0
+    assert waiting(admit(router, req("chat"))).deadline == 5.0
+
+
 def test_a_full_queue_sheds_the_newest_of_the_lowest_class_for_a_higher_one() -> None:
     router, _, _ = setup(cap=1, max_waiting=2)
     admission = router.admission

@@ -316,6 +316,7 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_TENANT_MAY_ASK": ("chat=interactive",),
     "HETERO_GATEWAY_TENANT_WEIGHTS": ("a", "a:1,a:2"),
     "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": ("0", "59001", "x"),
+    "HETERO_GATEWAY_CLASS_MAX_WAIT_MS": ("batch", "batch:", "a b:1"),
     "REDIS_DB": ("-1", "x", "1.5"),
     "REDIS_HOST": ("a b", "redis/0", "redis:6379"),
     "REDIS_PORT": ("0", "65536"),
@@ -658,6 +659,7 @@ def test_admission_reads_its_tables_and_refuses_what_it_cannot_use() -> None:
         "HETERO_GATEWAY_TENANT_CLASSES": "alice:interactive",
         "HETERO_GATEWAY_TENANT_WEIGHTS": "alice:3",
         "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": "2000",
+        "HETERO_GATEWAY_CLASS_MAX_WAIT_MS": "batch:500",
     }
     settings = load_settings(env).admission
     assert settings is not None
@@ -665,6 +667,7 @@ def test_admission_reads_its_tables_and_refuses_what_it_cannot_use() -> None:
     assert settings.tenancy.tenant(None, "Bearer sk-alice") == "alice"
     assert settings.classes.rank("alice") == 0 and settings.classes.rank("bob") == 1
     assert settings.weights == {"alice": 3.0} and settings.max_wait_s == 2.0
+    assert settings.class_max_wait_s == {"batch": 0.5}
     assert load_settings({**env, "HETERO_GATEWAY_ADMISSION": "off"}).admission is None
     for name, value, says in (
         ("HETERO_GATEWAY_TENANT_TOKENS", "alice:sk-alice", "not a SHA-256"),
@@ -672,6 +675,9 @@ def test_admission_reads_its_tables_and_refuses_what_it_cannot_use() -> None:
         ("HETERO_GATEWAY_TENANT_MAY_ASK", "alice:gold", "'gold' is not a class"),
         ("HETERO_GATEWAY_TENANT_WEIGHTS", "alice:0", "not a positive number"),
         ("HETERO_GATEWAY_TENANT_WEIGHTS", "alice:x", "not a positive number"),
+        ("HETERO_GATEWAY_CLASS_MAX_WAIT_MS", "gold:500", "'gold' is not a class"),
+        ("HETERO_GATEWAY_CLASS_MAX_WAIT_MS", "batch:0", "batch:0 is not an integer in"),
+        ("HETERO_GATEWAY_CLASS_MAX_WAIT_MS", "batch:60000", "batch:60000 is not an integer in"),
     ):
         with pytest.raises(ConfigError, match=f"^{name}: .*{says}"):
             load_settings({**env, name: value})
