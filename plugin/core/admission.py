@@ -129,7 +129,8 @@ class ClassTable:
         if asked is None or asked not in names:
             return own
         ceiling = self.may_ask.get(tenant)
-        return max(names.index(asked), own if ceiling is None else names.index(ceiling))
+        limit = own if ceiling is None else min(own, names.index(ceiling))
+        return max(names.index(asked), limit)
 
 
 def gpu_seconds(
@@ -416,7 +417,7 @@ class Admission:
     are the router's waiters; nothing here reads a clock or keeps a pod.
     """
 
-    __slots__ = ("gpu_seconds", "queues", "settings", "shed")
+    __slots__ = ("_named", "gpu_seconds", "queues", "settings", "shed")
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
@@ -426,6 +427,7 @@ class Admission:
         # per (model, class, why).
         self.gpu_seconds: dict[tuple[str, str], float] = {}
         self.shed: dict[tuple[str, str, str], int] = {}
+        self._named: dict[str, int] = {}  # model -> tenants named in `gpu_seconds`
 
     def rank(self, request: RequestInfo) -> int:
         return self.settings.classes.rank(request.tenant, request.priority_class)
@@ -481,10 +483,15 @@ class Admission:
             charge.decode_tokens_per_s,
             charge.prefill_tokens_per_s,
         )
-        key = (request.model, request.tenant)
+        model = request.model
+        key = (model, request.tenant)
         totals = self.gpu_seconds
-        if key not in totals and len(totals) >= self.settings.max_tenants:
-            key = (request.model, OTHER_TENANTS)  # a bound on the metric's series
+        if key not in totals:
+            named = self._named.get(model, 0)
+            if named >= self.settings.max_tenants:
+                key = (model, OTHER_TENANTS)  # a bound on the metric's series
+            else:
+                self._named[model] = named + 1
         totals[key] = totals.get(key, 0.0) + took
 
     def count_shed(self, request: RequestInfo, why: str) -> None:

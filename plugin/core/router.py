@@ -610,7 +610,17 @@ class Router:
                     break
                 queue.pop()
                 waiter.admitting = False
-                self._ask(waiter, final=False, candidates=with_room(candidates, top))
+                try:
+                    self._ask(waiter, final=False, candidates=with_room(candidates, top))
+                except Exception as exc:  # a strategy's bug must not orphan the request
+                    self._forget(waiter)
+                    self._settled(waiter, None, RoutingFailed(f"routing failed: {exc!r}"))
+                    self.on_warning(f"strategy {waiter.strategy.name} failed: {exc!r}")
+                    continue
+                if not waiter.done:
+                    # Its strategy holds it (no lease taken, so the room is still there): the
+                    # next release dispatches the next one, or the queue would empty into holds.
+                    break
         finally:
             self._draining.discard(model)
 

@@ -396,7 +396,9 @@ def simulate(
             if not data.done:  # admission handed it to a strategy that holds it: new deadline
                 push(data.deadline, _DEADLINE, data)
                 continue
-            k = held.pop(data)
+            k = held.pop(data, -1)
+            if k < 0:  # told twice (handed over, then decided) before either event ran
+                continue
             try:
                 decision = data.result()
             except RequestError:

@@ -45,6 +45,10 @@ def test_a_request_waits_in_its_tenant_s_class_or_one_it_may_ask_for() -> None:
     assert table.rank("chat", "batch") == 2  # lower is always allowed
     assert table.rank("someone", "batch") == 2  # by anyone: stepping down costs others nothing
     assert table.rank("someone", "interactive") == 1  # not above its own without a ceiling
+    low_ceiling = ClassTable(
+        ("interactive", "batch"), {"chat": "interactive"}, "batch", {"chat": "batch"}
+    )
+    assert low_ceiling.rank("chat", "interactive") == 0  # a ceiling never takes its own class
     assert table.rank("etl", "no-such-class") == 2  # unknown: its own class
     with pytest.raises(ValueError, match="unknown priority class 'gold'"):
         ClassTable(("a", "b"), tenants={"t": "gold"}, default="a")

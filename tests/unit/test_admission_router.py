@@ -15,7 +15,7 @@ from plugin.core.pool import PodPool
 from plugin.core.router import Decision, Router, Waiter
 from plugin.core.strategies import build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
-from plugin.errors import Overloaded, error_reply
+from plugin.errors import Overloaded, RoutingFailed, error_reply
 from tests.helpers import make_pod
 from tests.unit.test_router import Clock, Limit
 
@@ -311,3 +311,54 @@ def test_the_top_class_keeps_a_tenth_of_each_replica_s_room() -> None:
     chat.lease.release()
     assert not batch.done  # still the reserved slot
     routed(admit(router, req("chat")))  # while an interactive request takes it at once
+
+
+def test_a_strategy_that_holds_takes_one_from_the_queue_per_release() -> None:
+    """A hold takes no lease, so the room stays: the queue must not empty into holds."""
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([capped("a", 2)])
+    limit = Limit(limit=1, wait_s=20.0)
+    router = Router(
+        pool,
+        {limit.name: limit},
+        limit.name,
+        random.Random(0),
+        Clock(),
+        admission=Admission(AdmissionSettings()),
+    )
+    first = routed(router.admit(req("t"), limit))
+    extra = pool.acquire(first.lease.pod)  # the engine's batch is full
+    second = waiting(router.admit(req("t"), limit))
+    third = waiting(router.admit(req("t"), limit))
+    extra.release()  # room for one: the second meets its strategy, which holds it
+    assert not second.admitting and not second.done and third.admitting
+    assert router.admission is not None and router.admission.waiting(MODEL) == 1
+    first.lease.release()
+    assert second.done and not third.done
+
+
+def test_a_strategy_failing_on_a_dispatched_request_answers_it_and_leaks_nothing() -> None:
+    class Broken(Limit):
+        def admit(self, *args: object, **kw: object) -> Admission:  # type: ignore[override]
+            raise KeyError("bug")
+
+    pool = PodPool(CapacityEstimator())
+    pool.set_pods([capped("a", 1)])
+    broken = Broken(name="broken")
+    router = Router(
+        pool,
+        {"least-request": build_strategies()["least-request"], broken.name: broken},
+        "least-request",
+        random.Random(0),
+        Clock(),
+        admission=Admission(AdmissionSettings()),
+    )
+    warnings: list[str] = []
+    router.on_warning = warnings.append
+    first = routed(router.admit(req("t"), router.strategy_for(None)))
+    held = waiting(router.admit(req("t"), broken))
+    first.lease.release()
+    with pytest.raises(RoutingFailed):
+        held.result()
+    assert pool.inflight("ns/a") == 0 and router.waiting() == 0
+    assert warnings and "broken" in warnings[0]
