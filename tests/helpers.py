@@ -398,3 +398,20 @@ class Kustomize:
         if overlay not in self._overlays:
             self._overlays[overlay] = tuple(self.build(REPO / "deploy" / "overlays" / overlay))
         return copy.deepcopy(list(self._overlays[overlay]))
+
+
+def write_one_at_a_time_profile(directory: Path, model: str) -> None:
+    """An a100 GPU profile under which the a100 takes one request at a time (tputs x e2e < 1:
+    its SLO batch is one), with a lenient SLO: a second request waits at the gateway until the
+    first ends, whether an SLO strategy or admission holds it."""
+    profile = {
+        "gpu": "a100",
+        "cost": 1.0,
+        "tputs": [[0.1]],
+        "indexes": [[32], [16]],
+        "created": time.time(),
+        "e2e": [[2.0]],
+        "slos": {"percentile": 0, "e2e": 30.0},  # at the mean: no burst room
+    }
+    (directory / model).mkdir(parents=True)
+    (directory / model / "a100.json").write_bytes(orjson.dumps(profile))

@@ -14,26 +14,11 @@ import orjson
 import pytest
 
 from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
-from tests.helpers import chat_body
+from tests.helpers import chat_body, write_one_at_a_time_profile
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio]
 
 MODEL = "llama-3-8b"
-
-
-def _one_in_flight_profile(directory: Path) -> None:
-    """A GPU profile whose SLO batch is one request (rate 0.1/s x mean E2E 2 s, at least 1)."""
-    profile = {
-        "gpu": "a100",
-        "cost": 1.0,
-        "tputs": [[0.1]],
-        "indexes": [[32], [16]],
-        "created": time.time(),
-        "e2e": [[2.0]],
-        "slos": {"percentile": 0, "tpot": 1.0},
-    }
-    (directory / MODEL).mkdir(parents=True)
-    (directory / MODEL / "a100.json").write_bytes(orjson.dumps(profile))
 
 
 async def _post(url: str, tenant: str) -> tuple[int, dict[str, str], bytes, float]:
@@ -54,7 +39,7 @@ async def _post(url: str, tenant: str) -> tuple[int, dict[str, str], bytes, floa
 
 async def test_the_interactive_class_goes_first_and_the_batch_one_is_shed(tmp_path: Path) -> None:
     profiles = tmp_path / "profiles"
-    _one_in_flight_profile(profiles)
+    write_one_at_a_time_profile(profiles, MODEL)
     spec = FleetSpec(
         model=MODEL,
         presets=("a100",),

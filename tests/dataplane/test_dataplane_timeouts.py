@@ -24,7 +24,7 @@ import pytest
 
 from plugin.config import ENVOY_MESSAGE_TIMEOUT_S
 from plugin_tools.demo.fleet import FleetSpec, LocalFleet, free_port
-from tests.helpers import chat_body
+from tests.helpers import chat_body, write_one_at_a_time_profile
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio]
 
@@ -95,25 +95,9 @@ async def test_a_hung_plugin_fails_open_to_the_engines_within_the_message_timeou
         await _routed_again(fleet)
 
 
-def _one_at_a_time_profile(directory: Path) -> None:
-    """A GPU profile under which the a100 takes one request at a time (tputs x e2e < 1), with
-    a lenient SLO: a second request waits at the gateway until the first ends."""
-    profile = {
-        "gpu": "a100",
-        "cost": 1.0,
-        "tputs": [[0.1]],
-        "indexes": [[32], [16]],
-        "created": time.time(),
-        "e2e": [[2.0]],
-        "slos": {"percentile": 0, "e2e": 30.0},  # at the mean: no burst room
-    }
-    (directory / MODEL).mkdir(parents=True)
-    (directory / MODEL / "a100.json").write_bytes(orjson.dumps(profile))
-
-
 async def test_a_request_held_longer_than_the_message_timeout_is_served(tmp_path: Path) -> None:
     profiles = tmp_path / "profiles"
-    _one_at_a_time_profile(profiles)
+    write_one_at_a_time_profile(profiles, MODEL)
     spec = FleetSpec(
         model=MODEL,
         presets=("a100",),
