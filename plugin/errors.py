@@ -205,6 +205,25 @@ class Overloaded(RoutingFailed):
         self.extra_headers = (("retry-after", str(self.retry_after_s)),)
 
 
+class RateLimited(RequestError):
+    """The request would take its tenant past a rate limit (`plugin.core.limits`): 429 with
+    `retry-after` (whole seconds) when waiting helps; none when the request alone is larger
+    than the limit. AIBrix's `x-error-rpm-exceeded` / `x-error-tpm-exceeded` headers mark which
+    limit (`x-error-gpu-seconds-exceeded` for GPU time)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, kind: str, message: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.kind = kind  # requests, tokens or gpu-seconds
+        short = {"requests": "rpm", "tokens": "tpm"}.get(kind, kind)
+        self.header = (f"x-error-{short}-exceeded", "true")
+        self.retry_after_s = None if retry_after_s is None else max(1, math.ceil(retry_after_s))
+        if self.retry_after_s is not None:
+            self.extra_headers = (("retry-after", str(self.retry_after_s)),)
+
+
 class ShuttingDown(RoutingFailed):
     """The gateway is draining: a request it held is answered now, not left to time out."""
 

@@ -224,6 +224,18 @@ class AdmissionCollector(Collector):
         for (model, name), count in sorted(admission.waiting_by_class().items()):
             queued.add_metric([model, name], count)
         yield queued
+        limits = admission.limits
+        if limits is not None:
+            refused = CounterMetricFamily(
+                "hetero_gateway_rate_limited_requests",
+                "Requests refused with 429 because they would take their tenant past a rate limit"
+                " (requests, tokens or gpu-seconds a minute); beyond 3,000 series, the tenants as"
+                " (other).",
+                labels=["tenant", "limit"],
+            )
+            for (tenant, kind), count in sorted(limits.refused.items()):
+                refused.add_metric([tenant, kind], count)
+            yield refused
 
 
 class GatewayCollector(Collector):

@@ -41,6 +41,11 @@ else the host name):
                                           previous sync (`g`: its id, `e`: JSON list of [pod key,
                                           block hashes]), read by the others into their
                                           `prefix-cache` index; about the last 2,000 entries kept
+    hetero-gateway:usage:<gateway id>     string: JSON `{tenant: [requests, tokens, GPU-seconds]}`,
+                                          this gateway's usage of the tenants' rate limits in
+                                          the last window (`plugin.core.limits`); rewritten
+                                          every sync, expires a window and a TTL after its last:
+                                          a gateway that dies still counts what it served
     hetero-gateway:scrapes:<gateway id>   string: JSON `{"seq": n, "pods": {pod key: record}}`,
                                           what this gateway read from the engines it scraped in
                                           its last scrape tick (`plugin.adapters.scraper`);
@@ -85,6 +90,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from plugin.config import RedisSettings
+from plugin.core.limits import RateLimits
 from plugin.core.pool import PodPool
 from plugin.core.prefix import PrefixIndex
 from plugin.core.scrape_share import ScrapeShares
@@ -100,6 +106,7 @@ __all__ = [
     "scrapes_key",
     "state_key",
     "tokens_key",
+    "usage_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -148,6 +155,10 @@ def claims_key(gateway_id: str) -> str:
     return f"{KEY_PREFIX}:claims:{gateway_id}"
 
 
+def usage_key(gateway_id: str) -> str:
+    return f"{KEY_PREFIX}:usage:{gateway_id}"
+
+
 def scrapes_key(gateway_id: str) -> str:
     return f"{KEY_PREFIX}:scrapes:{gateway_id}"
 
@@ -190,6 +201,22 @@ def _int(value: Any) -> int | None:
         return None
 
 
+def _usage_sums(reply: Any) -> dict[str, list[float]]:
+    """The other gateways' published rate-limit usage, summed per tenant."""
+    sums: dict[str, list[float]] = {}
+    for text in reply if isinstance(reply, list) else []:
+        if not text:
+            continue  # expired: nothing of that gateway's is left in the window
+        try:
+            for tenant, values in orjson.loads(text).items():
+                total = sums.setdefault(str(tenant), [0.0, 0.0, 0.0])
+                for k in range(3):
+                    total[k] += float(values[k])
+        except (orjson.JSONDecodeError, AttributeError, IndexError, TypeError, ValueError):
+            log.warning("unreadable tenant usage in Redis: ignored")
+    return sums
+
+
 def describe_error(exc: BaseException) -> str:
     """An exception in one log line: its class, and its message when it has one."""
     text = str(exc)
@@ -212,8 +239,11 @@ class RedisState:
         scrape_expiry_s: float = 1.5,
         on_scrapers_changed: Callable[[], None] | None = None,
         prefixes: PrefixIndex | None = None,
+        limits: RateLimits | None = None,
     ) -> None:
         self._pool = pool
+        # The tenants' rate limits, held across the gateways (None: no limits).
+        self._limits = limits
         self._claims = claims
         # Scrapes shared with the other gateways (None: this gateway scrapes every pod).
         self.shares = shares
@@ -311,7 +341,19 @@ class RedisState:
                         pipe.xrevrange(PREFIXES_KEY, count=1)
                     else:
                         pipe.xread({PREFIXES_KEY: self._prefixes_read}, count=PREFIXES_READ)
+                limits = self._limits
+                if limits is not None:
+                    usage = orjson.dumps(limits.totals(now))
+                    usage_ms = round(limits.table.window_s * 1000) + ttl_ms
+                    pipe.set(usage_key(me), usage, px=usage_ms)
+                    if others:
+                        pipe.mget([usage_key(g) for g in others])
                 replies = await pipe.execute()
+            peers_usage: dict[str, list[float]] = {}
+            if limits is not None:
+                # The usage comes last: the replies before it keep their places.
+                peers_usage = _usage_sums(replies[-1] if others else [])
+                replies = replies[: -2 if others else -1]
             if prefixes is not None:
                 # The prefixes come last: the replies before them keep their places.
                 self._read_prefixes(prefixes, replies[-1])
@@ -321,6 +363,8 @@ class RedisState:
                 self._claims.claimed_elsewhere(_claim_keys(replies[-2]))
                 replies = replies[: -2 - 2 * len(owed)]
             self._succeeded(replies, others, pod_keys)
+            if limits is not None:  # shared by this gateway and those whose state is live
+                limits.set_shared(peers_usage, 1 + self.other_gateways)
         except asyncio.CancelledError:
             self._give_back(taken, owed, routed)
             raise
@@ -435,6 +479,8 @@ class RedisState:
         routed: list[tuple[str, list[int]]] | None = None,
     ) -> None:
         self._give_back(taken, owed, routed)
+        if self._limits is not None:  # each tenant held to this gateway's share of its limits
+            self._limits.set_local()
         self.sync_errors_total += 1
         self.last_error = describe_error(exc)
         now = self._clock()
@@ -564,6 +610,14 @@ class RedisState:
             # Prompts other gateways routed, added to this one's prefix-cache index (null: the
             # index is not shared).
             "prefixes_added": None if self._prefixes is None else self.prefixes_added,
+            # Tenants' rate limits: checked against every gateway's usage (shared), or held to
+            # this gateway's share of them (null: no limits).
+            "limits": None
+            if self._limits is None
+            else {
+                "shared": self._limits.shared,
+                "gateways_sharing": self._limits.sharing,
+            },
             # Engine scrapes shared among the gateways (null: each gateway scrapes every pod).
             "scrapes": None
             if self.shares is None

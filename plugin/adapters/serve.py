@@ -154,6 +154,7 @@ class Gateway:
             auto_blend=settings.auto_blend,
             gate=None if settings.imbalance is None else ImbalanceGate(settings.imbalance),
             admission=None if settings.admission is None else Admission(settings.admission),
+            wall_clock=time.time,  # rate-limit windows line up across gateway replicas
         )
         # What the core says an operator should hear (a request beyond a GPU profile's grid, a
         # profile cell off from served traffic), logged here: the core does no I/O.
@@ -213,6 +214,7 @@ class Gateway:
                 scrape_expiry_s=interval + max(interval / 2, timeout),
                 on_scrapers_changed=self.scraper.wake,
                 prefixes=self._shared_prefix_index(settings.redis.shared_prefix_index),
+                limits=None if self.router.admission is None else self.router.admission.limits,
             )
             if shares is not None:
                 self.scraper.exchange = self.shared

@@ -298,9 +298,11 @@ class Names(Kind[tuple[str, ...]]):
 @dataclass(frozen=True)
 class Pairs(Kind[tuple[tuple[str, str], ...]]):
     """`key:value` pairs, comma-separated, each key once; `what` shows one (`tenant:class`).
-    A key is a name (as `Names`); a value is checked by whoever reads it."""
+    A key is a name (as `Names`), or `*` where `star` allows it; a value is checked by whoever
+    reads it."""
 
     what: str
+    star: bool = False
 
     @property
     def type_text(self) -> str:
@@ -312,7 +314,8 @@ class Pairs(Kind[tuple[tuple[str, str], ...]]):
             if not item:
                 continue
             key, sep, value = (part.strip() for part in item.partition(":"))
-            if not sep or not value or not _NAME_RE.fullmatch(key):
+            named = _NAME_RE.fullmatch(key) or (self.star and key == "*")
+            if not sep or not value or not named:
                 raise Invalid(f": {item!r} is not {self.what}")
             if key in pairs:
                 raise Invalid(f": {key!r} is given twice")

@@ -77,15 +77,19 @@ from plugin.config.variables import (
     SLOW_START_MIN_PERCENT,
     SLOW_START_WINDOW_S,
     TENANT_CLASSES,
+    TENANT_GPU_SECONDS_PER_MINUTE,
     TENANT_HEADER,
     TENANT_MAY_ASK,
+    TENANT_REQUESTS_PER_MINUTE,
     TENANT_TOKENS,
+    TENANT_TOKENS_PER_MINUTE,
     TENANT_WEIGHTS,
     TRACING,
     WORKERS,
 )
 from plugin.core.admission import AdmissionSettings, ClassTable, Tenancy
 from plugin.core.header_policy import HeaderPolicy
+from plugin.core.limits import Limit, LimitTable
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings, SloSettings
 from plugin.core.strategies.blend import AutoBlend
@@ -210,16 +214,7 @@ def _admission_settings(env: Mapping[str, str]) -> AdmissionSettings | None:
         tokens[digest.lower()] = tenant
     weights: dict[str, float] = {}
     for tenant, text in TENANT_WEIGHTS.read(env):
-        try:
-            weight = float(text)
-        except ValueError:
-            weight = math.nan
-        if not (weight > 0 and math.isfinite(weight)):
-            raise ConfigError(
-                f"{TENANT_WEIGHTS.name}: the weight of tenant {tenant!r} is not a positive"
-                f" number: {text!r}"
-            )
-        weights[tenant] = weight
+        weights[tenant] = _positive(TENANT_WEIGHTS.name, f"the weight of tenant {tenant!r}", text)
     names = PRIORITY_CLASSES.read(env) or PRIORITY_CLASSES.default
     for var in (TENANT_CLASSES, TENANT_MAY_ASK):
         unknown = [c for _, c in var.read(env) if c not in names]
@@ -241,6 +236,12 @@ def _admission_settings(env: Mapping[str, str]) -> AdmissionSettings | None:
         except Invalid as bad:
             raise ConfigError(f"{CLASS_MAX_WAIT_MS.name}: {name}:{text}{bad.tail}") from None
     header = TENANT_HEADER.read(env)
+    limits = _limit_table(env)
+    if limits and not ADMISSION.read(env):
+        raise ConfigError(
+            "tenant limits (HETERO_GATEWAY_TENANT_*_PER_MINUTE) need"
+            f" {ADMISSION.name}=on: they are checked by admission"
+        )
     settings = AdmissionSettings(
         tenancy=Tenancy(header.lower() if header else None, tokens),
         classes=ClassTable(
@@ -253,8 +254,36 @@ def _admission_settings(env: Mapping[str, str]) -> AdmissionSettings | None:
         max_wait_s=ADMISSION_MAX_WAIT_MS.read(env) / 1000.0,
         class_max_wait_s=class_waits,
         max_waiting=MAX_WAITING.read(env),
+        limits=limits,
     )
     return settings if ADMISSION.read(env) else None
+
+
+def _positive(name: str, what: str, text: str) -> float:
+    """A table's value that must be a positive, finite number; else start-up stops."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name}: {what} is not a positive number: {text!r}")
+    return value
+
+
+_LIMIT_VARS = (TENANT_REQUESTS_PER_MINUTE, TENANT_TOKENS_PER_MINUTE, TENANT_GPU_SECONDS_PER_MINUTE)
+
+
+def _limit_table(env: Mapping[str, str]) -> LimitTable:
+    """Each tenant's limits a minute from the three tables (`*`: each tenant not named); a
+    value that is not a positive number stops start-up naming its variable."""
+    by_tenant: dict[str, list[float | None]] = {}
+    for k, var in enumerate(_LIMIT_VARS):
+        for tenant, text in var.read(env):
+            value = _positive(var.name, f"the limit of {tenant!r}", text)
+            by_tenant.setdefault(tenant, [None, None, None])[k] = value
+    limits = {t: Limit(*values) for t, values in by_tenant.items()}
+    every = limits.pop("*", None)
+    return LimitTable(limits, every)
 
 
 def _redis_settings(env: Mapping[str, str]) -> RedisSettings | None:

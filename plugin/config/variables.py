@@ -425,6 +425,32 @@ CLASS_MAX_WAIT_MS: Var[tuple[tuple[str, str], ...]] = Var(
     " late); same bounds.",
     shown_default="(none)",
 )
+TENANT_REQUESTS_PER_MINUTE: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE",
+    Pairs("tenant:requests", star=True),
+    (),
+    "Admission: requests a tenant may send in any minute, across every gateway replica (through"
+    " Redis; without it, each replica holds its share); `*` sets it for each tenant not named."
+    " Beyond: 429 `rate_limit_exceeded` with `retry-after`.",
+    shown_default="(none)",
+)
+TENANT_TOKENS_PER_MINUTE: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_TOKENS_PER_MINUTE",
+    Pairs("tenant:tokens", star=True),
+    (),
+    "Admission: prompt and output tokens a tenant may use in any minute, as"
+    " `HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE`; a request reserves its prompt and"
+    " `max_tokens` before it is routed and is settled at what it used.",
+    shown_default="(none)",
+)
+TENANT_GPU_SECONDS_PER_MINUTE: Var[tuple[tuple[str, str], ...]] = Var(
+    "HETERO_GATEWAY_TENANT_GPU_SECONDS_PER_MINUTE",
+    Pairs("tenant:seconds", star=True),
+    (),
+    "Admission: GPU-seconds a tenant's requests may take in any minute (priced per replica, as"
+    " admission's fairness counts them), as `HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE`.",
+    shown_default="(none)",
+)
 DEPLOYMENT_LABEL: Var[str] = Var(
     "AIBRIX_POD_DEPLOYMENT_LABEL",
     LabelKey(),
@@ -621,6 +647,9 @@ ENV_VARS: tuple[Var[Any], ...] = (
     TENANT_WEIGHTS,
     ADMISSION_MAX_WAIT_MS,
     CLASS_MAX_WAIT_MS,
+    TENANT_REQUESTS_PER_MINUTE,
+    TENANT_TOKENS_PER_MINUTE,
+    TENANT_GPU_SECONDS_PER_MINUTE,
     DEPLOYMENT_LABEL,
     PROFILE_DIR,
     REDIS_HOST,

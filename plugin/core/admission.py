@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
 from plugin.core.auth import bearer_token
+from plugin.core.limits import OTHER_TENANTS, LimitTable, RateLimits
 from plugin.core.types import Candidate, RequestInfo
 from plugin.core.view import CandidateView
 
@@ -72,7 +73,6 @@ __all__ = [
 ]
 
 DEFAULT_TENANT = "default"
-OTHER_TENANTS = "(other)"  # the metric label of tenants beyond the bound
 
 T = TypeVar("T")
 
@@ -400,6 +400,8 @@ class AdmissionSettings:
     # `tokens` (prompt and output, as AIBrix's VTC) or `requests` (as the endpoint picker's flow
     # control): benchmarks/admission.py runs all three.
     measure: str = "gpu-seconds"
+    # Per-tenant limits a minute, across gateways (`plugin.core.limits`); empty: none.
+    limits: LimitTable = field(default_factory=LimitTable)
 
     def __post_init__(self) -> None:
         if self.measure not in MEASURES:
@@ -417,10 +419,12 @@ class Admission:
     are the router's waiters; nothing here reads a clock or keeps a pod.
     """
 
-    __slots__ = ("_named", "gpu_seconds", "queues", "settings", "shed")
+    __slots__ = ("_named", "gpu_seconds", "limits", "queues", "settings", "shed")
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
+        # The tenants' rate limits, checked before a request is routed (None: no limits).
+        self.limits = RateLimits(settings.limits, settings.max_tenants) if settings.limits else None
         self.queues: dict[str, FairQueue[object]] = {}  # model -> its queue (made on first use)
         # For /metrics: GPU-seconds the requests of each (model, tenant) took, settled (at most
         # `max_tenants` tenants a model by name, the rest as OTHER_TENANTS), and requests shed

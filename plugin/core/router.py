@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.core.admission import Admission, Charge, has_room, with_room
+from plugin.core.admission import Admission, Charge, gpu_seconds, has_room, with_room
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import (
@@ -35,6 +35,7 @@ from plugin.core.latency import (
     Histogram,
     SloOutcomes,
 )
+from plugin.core.limits import Reservation
 from plugin.core.pool import Lease, PodPool
 from plugin.core.profile import ProfiledRoute
 from plugin.core.strategies import OutputHistory, Reject, Route, Strategy, Wait, blend
@@ -117,6 +118,8 @@ class Decision:
     spans: Any = None
     # What admission charged its tenant when it was routed (None: admission is off).
     charge: Charge | None = None
+    # What it holds of its tenant's rate limits until it ends (None: not limited).
+    reservation: Reservation | None = None
 
 
 class Waiter:
@@ -134,6 +137,7 @@ class Waiter:
         "on_timeout",
         "priority",
         "request",
+        "reservation",
         "since",
         "strategy",
     )
@@ -154,6 +158,8 @@ class Waiter:
         self._cancelled = False
         # Held by admission (in its model's fair queue) rather than by its strategy.
         self.admitting = False
+        # What it holds of its tenant's rate limits, given back unless it is routed.
+        self.reservation: Reservation | None = None
         # Called once when the outcome is known (granted or rejected); the owner then calls
         # `result()`. Also called, with no outcome yet (`done` False), when admission hands the
         # request to a strategy that holds it with another deadline: the owner re-reads
@@ -178,6 +184,8 @@ class Waiter:
         """The owner gives up: leave the queue; a granted lease not taken is released."""
         self._cancelled = True
         self._router._forget(self)
+        if self._decision is None or not self._taken:
+            self._router._give_back(self.reservation)
         if self._decision is not None and not self._taken:
             self._taken = True
             self._decision.lease.release()
@@ -243,6 +251,7 @@ class Router:
         "_table",
         "_waiting",
         "_waking",
+        "_wall",
         "admission",
         "beyond",
         "decision_time",
@@ -270,6 +279,7 @@ class Router:
         auto_blend: blend.AutoBlend | None = None,
         gate: ImbalanceGate | None = None,
         admission: Admission | None = None,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.pool = pool
         # Set: every request passes its model's fair queue when the fleet is full.
@@ -287,6 +297,9 @@ class Router:
         self._default = default_strategy
         self._rng = rng
         self._clock = clock
+        # Wall-clock time for the tenants' rate limits, whose windows line up across gateway
+        # replicas (`clock` may be monotonic); `clock` itself when not given (the simulator).
+        self._wall = wall_clock or clock
         self._waiting: dict[str, list[Waiter]] = {}  # model -> waiters in arrival order
         self._waking: set[str] = set()  # models being woken (no re-entry)
         # Completed requests' sizes, for the strategies that predict output length (SLO).
@@ -362,6 +375,8 @@ class Router:
         charge = decision.charge
         if charge is not None and output_tokens is not None and self.admission is not None:
             self.admission.settle(request, output_tokens, charge)
+        if decision.reservation is not None:
+            self._settle_limits(decision, status, output_tokens)
         target = request.slo
         if target is None and profiled is not None:
             target = profiled.profile.target
@@ -387,6 +402,7 @@ class Router:
         lease: Lease,
         now: float,
         charge: Charge | None = None,
+        reservation: Reservation | None = None,
     ) -> Decision:
         """The decision for a route taken; a request beyond its profile's grid is counted."""
         profiled = answer.profiled
@@ -397,7 +413,16 @@ class Router:
             )
             if warning is not None:
                 self.on_warning(warning)
-        return Decision(lease, name, request, now, answer.expected_e2e_s, profiled, charge=charge)
+        return Decision(
+            lease,
+            name,
+            request,
+            now,
+            answer.expected_e2e_s,
+            profiled,
+            charge=charge,
+            reservation=reservation,
+        )
 
     def completed(self, model: str, prompt_tokens: int, output_tokens: int, status: int) -> None:
         """A response ended: a successful one teaches the output-length history."""
@@ -472,14 +497,40 @@ class Router:
         A strategy that `needs_profiles` (SLO routing) hands a model none of whose pods has a
         GPU profile (its `profiled` says so) to the default strategy (or, if that needs them
         too, to least-request).
+
+        With rate limits, the tenant's reservation is taken first (`plugin.core.limits`; over a
+        limit: `RateLimited`, 429) and given back if the request is not routed.
         """
         now = self._clock()
+        admission = self.admission
+        limits = admission.limits if admission is not None else None
+        if limits is None:
+            return self._admit(request, strategy, now, None)
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.history.predict(request.model, request.prompt_tokens, now) or 0
+        reservation = limits.reserve(
+            request.tenant, request.prompt_tokens + max_tokens, self._wall()
+        )
+        try:
+            return self._admit(request, strategy, now, reservation)
+        except BaseException:
+            self._give_back(reservation)
+            raise
+
+    def _admit(
+        self,
+        request: RequestInfo,
+        strategy: Strategy,
+        now: float,
+        reservation: Reservation | None,
+    ) -> Decision | Waiter:
         candidates = self._candidates(request, now)
         admission = self.admission
         if admission is not None:
             top = admission.rank(request) == 0
             if admission.should_hold(request.model, candidates, 0 if top else 1):
-                waiter = self._hold_for_room(admission, request, strategy, now)
+                waiter = self._hold_for_room(admission, request, strategy, now, reservation)
                 if waiter.done:  # room at once (queued behind none): routed, or its error
                     return waiter.result()
                 return waiter
@@ -487,7 +538,7 @@ class Router:
         asked = strategy  # the name the client sees echoed, whoever routes
         answer, strategy, request = self._ask_strategy(request, strategy, candidates, now)
         if type(answer) is Route:
-            return self._take(answer, request, strategy, asked.name, now)
+            return self._take(answer, request, strategy, asked.name, now, reservation)
         if type(answer) is Reject:
             self._rejected(request, answer.error)
             raise answer.error
@@ -496,6 +547,7 @@ class Router:
             if held >= self.max_waiting:
                 raise QueueFull(f"{held} {request.model} requests already wait at the gateway")
             waiter = Waiter(self, request, strategy, answer)
+            waiter.reservation = reservation
             self._waiting.setdefault(request.model, []).append(waiter)
             return waiter
         raise TypeError(f"strategy {strategy.name} answered {answer!r}")
@@ -519,9 +571,16 @@ class Router:
         return strategy.admit(candidates, request, self._rng, now), strategy, request
 
     def _take(
-        self, answer: Route, request: RequestInfo, strategy: Strategy, name: str, now: float
+        self,
+        answer: Route,
+        request: RequestInfo,
+        strategy: Strategy,
+        name: str,
+        now: float,
+        reservation: Reservation | None = None,
     ) -> Decision:
-        """Take the lease a `Route` answer names; admission charges the tenant's estimate."""
+        """Take the lease a `Route` answer names; admission charges the tenant's estimate and
+        prices its rate-limit reservation at the replica."""
         lease = self.pool.acquire(
             answer.candidate.pod,
             answer.load,
@@ -538,11 +597,25 @@ class Router:
                 predicted = self.history.predict(request.model, request.prompt_tokens, now)
             charge = admission.estimate(request, answer.candidate, predicted)
             admission.charge(request.model, request.tenant, charge.gpu_s)
-        return self._decided(answer, request, name, lease, now, charge)
+            if reservation is not None and admission.limits is not None:
+                output = predicted or request.max_tokens or 0
+                spent = gpu_seconds(
+                    request.prompt_tokens,
+                    output,
+                    charge.decode_tokens_per_s,
+                    charge.prefill_tokens_per_s,
+                )
+                admission.limits.priced(reservation, spent, self._wall())
+        return self._decided(answer, request, name, lease, now, charge, reservation)
 
     # admission -------------------------------------------------------------------------------
     def _hold_for_room(
-        self, admission: Admission, request: RequestInfo, strategy: Strategy, now: float
+        self,
+        admission: Admission,
+        request: RequestInfo,
+        strategy: Strategy,
+        now: float,
+        reservation: Reservation | None = None,
     ) -> Waiter:
         """Queue the request for room in its class; a full queue sheds its lowest class (or
         refuses this one); then dispatch whatever room there is."""
@@ -572,6 +645,7 @@ class Router:
         wait = Wait(now + admission.max_wait_s(rank))
         waiter = Waiter(self, request, strategy, wait)
         waiter.admitting = True
+        waiter.reservation = reservation
         queue.push(waiter, request.tenant, rank)
         self._dispatch_queue(model)
         return waiter
@@ -764,7 +838,7 @@ class Router:
             return
         if type(answer) is Route:
             self._forget(waiter)
-            decision = self._take(answer, waiter.request, strategy, name, now)
+            decision = self._take(answer, waiter.request, strategy, name, now, waiter.reservation)
             self._settled(waiter, decision, None)
         elif type(answer) is Reject:
             self._forget(waiter)
@@ -785,8 +859,50 @@ class Router:
     ) -> None:
         self.waits.observe(self._clock() - waiter.since, routed=decision is not None)
         if error is not None:
+            self._give_back(waiter.reservation)
             self._rejected(waiter.request, error)
         waiter._settle(decision, error)
+
+    # rate limits -----------------------------------------------------------------------------
+    def limit_headers(self, decision: Decision) -> list[tuple[str, str]]:
+        """The `x-ratelimit-*` headers of a routed request's response (none if not limited)."""
+        admission = self.admission
+        limits = admission.limits if admission is not None else None
+        if limits is None or decision.reservation is None:
+            return []
+        return limits.headers(decision.request.tenant, self._wall())
+
+    def _give_back(self, reservation: Reservation | None) -> None:
+        """A request that will not run gives its rate-limit reservation back."""
+        admission = self.admission
+        if reservation is not None and admission is not None and admission.limits is not None:
+            admission.limits.release(reservation, self._wall())
+
+    def _settle_limits(self, decision: Decision, status: int, output_tokens: int | None) -> None:
+        """Settle a routed request's reservation at what it used: its prompt and the output
+        counted, priced as its charge was; an error answer counts as its request only; an
+        uncounted output keeps what was reserved."""
+        admission = self.admission
+        limits = admission.limits if admission is not None else None
+        reservation = decision.reservation
+        if limits is None or reservation is None:
+            return
+        if status != 200:
+            limits.settle(reservation, 0, 0.0, self._wall())
+            return
+        if output_tokens is None:
+            reservation.open = False
+            return
+        request, charge = decision.request, decision.charge
+        spent = 0.0
+        if charge is not None:
+            spent = gpu_seconds(
+                request.prompt_tokens,
+                output_tokens,
+                charge.decode_tokens_per_s,
+                charge.prefill_tokens_per_s,
+            )
+        limits.settle(reservation, request.prompt_tokens + output_tokens, spent, self._wall())
 
     def _rejected(self, request: RequestInfo, error: RequestError) -> None:
         """A request refused because its SLO could not be met counts as an SLO outcome."""

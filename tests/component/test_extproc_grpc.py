@@ -1623,3 +1623,54 @@ async def test_admission_serves_the_higher_class_first_and_sheds_with_retry_afte
         await s.finish()
     await first.finish()
     assert set(_inflight(r).values()) == {0}
+
+
+@pytest_asyncio.fixture
+async def limited(
+    tmp_path: Path, reserve_port: Callable[[], int], start_gateway: StartGateway
+) -> AsyncIterator[Running]:
+    """Admission on, tenant `team` limited to 2 requests a minute."""
+    pods = [Pod(n, "default", MODEL, "127.0.0.1", reserve_port(), 0) for n in ("a", "b")]
+    path = write_pods_file(tmp_path / "pods.yaml", pods)
+    env = {**ADMISSION_ENV, "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE": "team:2"}
+    gateway = await start_gateway(path, env)
+    async for r in _connected(gateway, path):
+        yield r
+
+
+async def test_a_tenant_over_its_limit_gets_429_and_the_others_see_what_remains(
+    limited: Running,
+) -> None:
+    r = limited
+    streams = []
+    for remaining in ("1", "0"):
+        stream = Stream(r.stub)
+        assert await stream.send(request_headers(extra={"x-tenant": "team"})) == HEADERS_CONTINUE
+        reply = await stream.send(request_body(CHAT_BODY))
+        assert reply.WhichOneof("response") == "request_body"
+        answer = await stream.send(response_headers(200))
+        headers = set_headers(answer.response_headers.response.header_mutation)
+        assert headers["x-ratelimit-limit-requests"] == b"2"
+        assert headers["x-ratelimit-remaining-requests"] == remaining.encode()
+        assert headers["x-ratelimit-reset-requests"].endswith(b"s")
+        streams.append(stream)
+    stream = Stream(r.stub)
+    assert await stream.send(request_headers(extra={"x-tenant": "team"})) == HEADERS_CONTINUE
+    refused = (await stream.send(request_body(CHAT_BODY))).immediate_response
+    assert refused.status.code == 429
+    headers = set_headers(refused.headers)
+    assert headers["x-error-rpm-exceeded"] == b"true" and int(headers["retry-after"]) >= 59
+    assert headers["x-ratelimit-remaining-requests"] == b"0"
+    error = orjson.loads(refused.body)["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    await stream.finish()
+    other, _ = await _route(r)  # a tenant without limits is not held to team's
+    async with aiohttp.ClientSession() as http, http.get(f"{r.http}/metrics") as resp:
+        page = await resp.text()
+    assert _samples(page, "hetero_gateway_rate_limited_requests_total") == {
+        (("limit", "requests"), ("tenant", "team")): 1.0
+    }
+    for s in (*streams, other):
+        await s.send(response_body(b"", end_of_stream=True))
+        await s.finish()
+    assert set(_inflight(r).values()) == {0}

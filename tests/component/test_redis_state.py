@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,15 @@ from plugin.adapters.redis_state import (
     RedisState,
     state_key,
     tokens_key,
+    usage_key,
 )
 from plugin.config import RedisSettings
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.limits import Limit, LimitTable, RateLimits
 from plugin.core.pool import Lease, PodPool
 from plugin.core.prefix import PrefixIndex
 from plugin.core.types import Pod
+from plugin.errors import RateLimited
 from plugin_tools.demo.redis_server import RedisServer
 from tests.helpers import (
     StartGateway,
@@ -93,7 +97,11 @@ async def members(redis_server: RedisServer) -> AsyncIterator[Callable[..., Memb
     made: list[Member] = []
 
     def make(
-        gateway_id: str, ttl_s: float = TTL_S, sync_s: float = SYNC_S, claims: Any = None
+        gateway_id: str,
+        ttl_s: float = TTL_S,
+        sync_s: float = SYNC_S,
+        claims: Any = None,
+        limits: RateLimits | None = None,
     ) -> Member:
         estimator = CapacityEstimator()
         pool = PodPool(estimator)
@@ -105,7 +113,7 @@ async def members(redis_server: RedisServer) -> AsyncIterator[Callable[..., Memb
             sync_interval_s=sync_s,
             ttl_s=ttl_s,
         )
-        state = RedisState(pool, settings, max_backoff_s=0.2, claims=claims)
+        state = RedisState(pool, settings, max_backoff_s=0.2, claims=claims, limits=limits)
         member = Member(pool, estimator, state)
         made.append(member)
         return member
@@ -552,3 +560,50 @@ async def test_a_prefix_one_gateway_routed_matches_at_the_other_and_survives_an_
     finally:
         for state in states:
             await state.close()
+
+
+# --- tenants' rate limits -----------------------------------------------------------------------
+
+
+def remaining_tokens(limits: RateLimits) -> int:
+    return int(dict(limits.headers("team", time.time()))["x-ratelimit-remaining-tokens"])
+
+
+async def test_tenant_limits_hold_across_gateways_and_fall_back_to_a_share(
+    members: Callable[..., Member], redis_server: RedisServer
+) -> None:
+    table = LimitTable({"team": Limit(tokens=900)})
+    la, lb = RateLimits(table), RateLimits(table)
+    a, b = members("gw-a", limits=la), members("gw-b", limits=lb)
+    a.start()
+    b.start()
+    await eventually(lambda: la.sharing == lb.sharing == 2, "limits shared by two")
+    la.reserve("team", 600, time.time())
+    await eventually(lambda: remaining_tokens(lb) == 300, "a's usage seen at b")
+    with pytest.raises(RateLimited):
+        lb.reserve("team", 400, time.time())
+    lb.reserve("team", 300, time.time())
+    async with Redis(host=redis_server.host, port=redis_server.port) as client:
+        published = await client.get(usage_key("gw-a"))
+        assert published is not None
+        assert orjson.loads(published) == {"team": [1.0, 600.0, 0.0]}
+        assert await client.pttl(usage_key("gw-a")) > 60_000  # outlives the gateway's state
+    assert redis_server.proc is not None
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        await eventually(lambda: not la.shared and not lb.shared, "local-only limits")
+        # Each gateway holds the tenant to half the limit, against its own usage.
+        assert remaining_tokens(la) == 0 and remaining_tokens(lb) == 150
+        with pytest.raises(RateLimited, match="share: 1/2"):
+            lb.reserve("team", 151, time.time())
+        lb.reserve("team", 150, time.time())
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    await eventually(lambda: la.shared and lb.shared, "shared again")
+    # What b admitted while alone is published too: the tenant is over for everyone.
+    await eventually(lambda: remaining_tokens(la) == 0, "the outage's usage seen at a")
+    await a.crash()  # its state expires; what it served still counts for the window
+    await eventually(lambda: b.state.other_gateways == 0 and lb.sharing == 1, "a gone")
+    assert lb.shared and remaining_tokens(lb) == 0
+    with pytest.raises(RateLimited):
+        lb.reserve("team", 1, time.time())

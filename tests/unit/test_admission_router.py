@@ -11,11 +11,13 @@ import pytest
 
 from plugin.core.admission import OTHER_TENANTS, Admission, AdmissionSettings, ClassTable
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.limits import Limit as TenantLimit
+from plugin.core.limits import LimitTable
 from plugin.core.pool import PodPool
 from plugin.core.router import Decision, Router, Waiter
 from plugin.core.strategies import build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
-from plugin.errors import Overloaded, RoutingFailed, error_reply
+from plugin.errors import Overloaded, RateLimited, RoutingFailed, error_reply
 from tests.helpers import make_pod
 from tests.unit.test_router import Clock, Limit
 
@@ -33,13 +35,22 @@ CLASSES = ClassTable(("interactive", "batch"), {"chat": "interactive"}, default=
 
 
 def setup(
-    cap: int = 1, max_wait_s: float = 5.0, max_waiting: int = 10, strategy: str = "least-request"
+    cap: int = 1,
+    max_wait_s: float = 5.0,
+    max_waiting: int = 10,
+    strategy: str = "least-request",
+    limits: LimitTable | None = None,
 ) -> tuple[Router, PodPool, Clock]:
     pool = PodPool(CapacityEstimator())
     pool.set_pods([capped("a", cap)])
     clock = Clock()
     strategies = build_strategies()
-    settings = AdmissionSettings(classes=CLASSES, max_wait_s=max_wait_s, max_waiting=max_waiting)
+    settings = AdmissionSettings(
+        classes=CLASSES,
+        max_wait_s=max_wait_s,
+        max_waiting=max_waiting,
+        limits=limits or LimitTable(),
+    )
     router = Router(
         pool, strategies, strategy, random.Random(0), clock, admission=Admission(settings)
     )
@@ -362,3 +373,66 @@ def test_a_strategy_failing_on_a_dispatched_request_answers_it_and_leaks_nothing
         held.result()
     assert pool.inflight("ns/a") == 0 and router.waiting() == 0
     assert warnings and "broken" in warnings[0]
+
+
+# rate limits ---------------------------------------------------------------------------------
+def used(router: Router, tenant: str = "t") -> list[float]:
+    """The tenant's requests, tokens and GPU-seconds counted in the window now."""
+    assert router.admission is not None and router.admission.limits is not None
+    return router.admission.limits.totals(router.now()).get(tenant, [0.0, 0.0, 0.0])
+
+
+def test_a_request_over_its_tenants_limit_is_429_before_it_waits_or_routes() -> None:
+    router, pool, _ = setup(cap=4, limits=LimitTable({"t": TenantLimit(tokens=1000)}))
+    first = routed(admit(router, req("t", prompt_tokens=100, max_tokens=500)))
+    with pytest.raises(RateLimited) as caught:
+        admit(router, req("t", prompt_tokens=100, max_tokens=500))
+    reply = error_reply(caught.value)
+    assert reply.status == 429 and ("x-error-tpm-exceeded", "true") in reply.headers
+    assert b'"code":"rate_limit_exceeded"' in reply.body.replace(b" ", b"")
+    assert dict(reply.headers)["x-ratelimit-remaining-tokens"] == "400"
+    assert "retry-after" in dict(reply.headers)
+    assert pool.inflight("ns/a") == 1 and router.waiting(MODEL) == 0
+    routed(admit(router, req("other", prompt_tokens=100, max_tokens=5000)))  # not limited
+    assert router.limit_headers(first)[:2] == [
+        ("x-ratelimit-limit-tokens", "1000"),
+        ("x-ratelimit-remaining-tokens", "400"),
+    ]
+
+
+def test_the_settlement_counts_the_prompt_and_the_output_served() -> None:
+    router, pool, _ = setup(cap=4, limits=LimitTable({"t": TenantLimit(1000, 1000, 100.0)}))
+    pool.candidates(MODEL, 0.0)[0].capacity = 100.0  # output tokens/s: 10 ms a token
+    decision = routed(admit(router, req("t", prompt_tokens=100, max_tokens=500)))
+    assert used(router) == [1.0, 600.0, pytest.approx(5.0)]  # priced at its replica
+    decision.lease.release(40, 200, 1.0)
+    router.finished(decision, 200, output_tokens=40)
+    assert used(router) == [1.0, 140.0, pytest.approx(0.4)]
+    failed = routed(admit(router, req("t", prompt_tokens=100, max_tokens=500)))
+    failed.lease.release(0, 500, 2.0)
+    router.finished(failed, 500, output_tokens=0)  # an engine's error costs a request only
+    assert used(router) == [2.0, 140.0, pytest.approx(0.4)]
+
+
+def test_a_request_shed_or_cancelled_while_waiting_gives_its_reservation_back() -> None:
+    router, _, clock = setup(cap=1, limits=LimitTable({"t": TenantLimit(tokens=10_000)}))
+    first = routed(admit(router, req("t", prompt_tokens=10, max_tokens=90)))
+    shed = waiting(admit(router, req("t", prompt_tokens=10, max_tokens=90)))
+    gone = waiting(admit(router, req("t", prompt_tokens=10, max_tokens=90)))
+    assert used(router)[1] == 300.0
+    gone.cancel()
+    clock.t = 5.0
+    router.expire(shed)
+    with pytest.raises(Overloaded):
+        shed.result()
+    assert used(router)[:2] == [1.0, 100.0]
+    first.lease.release()
+
+
+def test_a_refusal_after_the_reservation_gives_it_back() -> None:
+    router, _, _ = setup(cap=1, max_waiting=1, limits=LimitTable({"t": TenantLimit(requests=5)}))
+    routed(admit(router, req("t")))
+    waiting(admit(router, req("t")))
+    with pytest.raises(Overloaded):  # the queue is full: refused after its reservation
+        admit(router, req("t"))
+    assert used(router)[0] == 2.0

@@ -25,6 +25,7 @@ from plugin.config import (
     max_message_bytes,
 )
 from plugin.core.header_policy import HeaderPolicy
+from plugin.core.limits import Limit
 from plugin.core.pool import EjectionPolicy
 from plugin.core.strategies import LoadBalanceSettings, settings_type, strategy_names
 from plugin.errors import ConfigError
@@ -317,6 +318,9 @@ BAD_VALUES: dict[str, tuple[str, ...]] = {
     "HETERO_GATEWAY_TENANT_WEIGHTS": ("a", "a:1,a:2"),
     "HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS": ("0", "59001", "x"),
     "HETERO_GATEWAY_CLASS_MAX_WAIT_MS": ("batch", "batch:", "a b:1"),
+    "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE": ("a", "a:1,a:2", "**:1"),
+    "HETERO_GATEWAY_TENANT_TOKENS_PER_MINUTE": ("a:", "a b:1"),
+    "HETERO_GATEWAY_TENANT_GPU_SECONDS_PER_MINUTE": ("*", ":1"),
     "REDIS_DB": ("-1", "x", "1.5"),
     "REDIS_HOST": ("a b", "redis/0", "redis:6379"),
     "REDIS_PORT": ("0", "65536"),
@@ -681,3 +685,28 @@ def test_admission_reads_its_tables_and_refuses_what_it_cannot_use() -> None:
     ):
         with pytest.raises(ConfigError, match=f"^{name}: .*{says}"):
             load_settings({**env, name: value})
+
+
+def test_tenant_limits_read_per_kind_with_a_star_for_the_rest() -> None:
+    env = {
+        "HETERO_GATEWAY_ADMISSION": "on",
+        "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE": "alice:600,*:60",
+        "HETERO_GATEWAY_TENANT_TOKENS_PER_MINUTE": "alice:100000",
+        "HETERO_GATEWAY_TENANT_GPU_SECONDS_PER_MINUTE": "bob:2.5",
+    }
+    settings = load_settings(env).admission
+    assert settings is not None
+    table = settings.limits
+    assert table.of("alice") == Limit(600.0, 100000.0, None)
+    assert table.of("bob") == Limit(None, None, 2.5)
+    assert table.of("carol") == Limit(60.0, None, None)
+    assert table.window_s == 60.0
+    assert not load_settings({"HETERO_GATEWAY_ADMISSION": "on"}).admission.limits  # type: ignore[union-attr]
+    for name, value, says in (
+        ("HETERO_GATEWAY_TENANT_TOKENS_PER_MINUTE", "alice:0", "not a positive number"),
+        ("HETERO_GATEWAY_TENANT_GPU_SECONDS_PER_MINUTE", "*:inf", "not a positive number"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{name}: .*{says}"):
+            load_settings({**env, name: value})
+    with pytest.raises(ConfigError, match="HETERO_GATEWAY_ADMISSION=on"):
+        load_settings({**env, "HETERO_GATEWAY_ADMISSION": "off"})

@@ -387,6 +387,9 @@ class RoutingProcessor:
                 *([_header(PROFILE_ECHO_HEADER, self._profile)] if self._profile else []),
             ]
         )
+        if decision.reservation is not None:  # the tenant's rate limits, as OpenAI sends them
+            for key, value in self._router.limit_headers(decision):
+                mutation.set_headers.append(_header(key, value))
         return pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)
