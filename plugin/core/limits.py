@@ -35,6 +35,7 @@ from plugin.errors import RateLimited
 
 __all__ = [
     "BUCKETS",
+    "HEADERS",
     "KINDS",
     "Limit",
     "LimitTable",
@@ -45,6 +46,10 @@ __all__ = [
 
 KINDS = ("requests", "tokens", "gpu-seconds")  # a limit's kinds, in `Limit.values()` order
 _REQUESTS, _TOKENS, _GPU = 0, 1, 2
+# The response headers `RateLimits.headers` may send (OpenAI's names, GPU-seconds beside them).
+HEADERS = tuple(
+    f"x-ratelimit-{what}-{kind}" for kind in KINDS for what in ("limit", "remaining", "reset")
+)
 BUCKETS = 60  # buckets a window; one more is counted (module docstring)
 OTHER_TENANTS = "(other)"  # the metric label of tenants beyond the bound
 # How fast a tenant's GPU-seconds a token follows its ended requests (exponential mean).

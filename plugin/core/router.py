@@ -366,17 +366,20 @@ class Router:
         status: int,
         felt: Felt | None = None,
         output_tokens: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """A routed request's response ended: compare its latency with the prediction (per
         deployment, and per profile cell: `plugin.core.drift`); with an SLO (its own, or its
         profile's) and `felt` by its client, count whether it met it. Admission settles its
-        tenant's charge with the `output_tokens` it produced (when counted)."""
+        tenant's charge with the `output_tokens` it produced (when counted); its rate limits are
+        settled with them and `prompt_tokens`, the engine's count of its prompt where it
+        reported one (else the gateway's estimate)."""
         request, profiled = decision.request, decision.profiled
         charge = decision.charge
         if charge is not None and output_tokens is not None and self.admission is not None:
             self.admission.settle(request, output_tokens, charge)
         if decision.reservation is not None:
-            self._settle_limits(decision, status, output_tokens)
+            self._settle_limits(decision, status, output_tokens, prompt_tokens)
         target = request.slo
         if target is None and profiled is not None:
             target = profiled.profile.target
@@ -878,7 +881,13 @@ class Router:
         if reservation is not None and admission is not None and admission.limits is not None:
             admission.limits.release(reservation, self._wall())
 
-    def _settle_limits(self, decision: Decision, status: int, output_tokens: int | None) -> None:
+    def _settle_limits(
+        self,
+        decision: Decision,
+        status: int,
+        output_tokens: int | None,
+        prompt_tokens: int | None = None,
+    ) -> None:
         """Settle a routed request's reservation at what it used: its prompt and the output
         counted, priced as its charge was; an error answer counts as its request only; an
         uncounted output keeps what was reserved."""
@@ -893,16 +902,18 @@ class Router:
         if output_tokens is None:
             reservation.open = False
             return
-        request, charge = decision.request, decision.charge
+        charge = decision.charge
+        if prompt_tokens is None or prompt_tokens < 0:
+            prompt_tokens = decision.request.prompt_tokens
         spent = 0.0
         if charge is not None:
             spent = gpu_seconds(
-                request.prompt_tokens,
+                prompt_tokens,
                 output_tokens,
                 charge.decode_tokens_per_s,
                 charge.prefill_tokens_per_s,
             )
-        limits.settle(reservation, request.prompt_tokens + output_tokens, spent, self._wall())
+        limits.settle(reservation, prompt_tokens + output_tokens, spent, self._wall())
 
     def _rejected(self, request: RequestInfo, error: RequestError) -> None:
         """A request refused because its SLO could not be met counts as an SLO outcome."""

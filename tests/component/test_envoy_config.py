@@ -13,6 +13,7 @@ import yaml
 from plugin.adapters import envoy_config as ec
 from plugin.adapters.envoy_config import EnvoyOptions, bootstrap_yaml, render_bootstrap
 from plugin.adapters.envoy_config import options as envoy_options
+from plugin.core.limits import HEADERS as LIMIT_HEADERS
 from tests.helpers import REPO, bootstrap_hcm, routing_filter
 
 pytestmark = pytest.mark.component
@@ -153,6 +154,7 @@ def test_ext_proc_filter_modes_metadata_and_timeouts(
             "target-pod",
             "target-pod-ip",
             "x-aibrix-config-profile",
+            *LIMIT_HEADERS,
         }
     else:
         assert not added

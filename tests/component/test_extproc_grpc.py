@@ -1629,10 +1629,10 @@ async def test_admission_serves_the_higher_class_first_and_sheds_with_retry_afte
 async def limited(
     tmp_path: Path, reserve_port: Callable[[], int], start_gateway: StartGateway
 ) -> AsyncIterator[Running]:
-    """Admission on, tenant `team` limited to 2 requests a minute."""
+    """Admission on, tenants `team` and `bob` limited to 2 requests a minute each."""
     pods = [Pod(n, "default", MODEL, "127.0.0.1", reserve_port(), 0) for n in ("a", "b")]
     path = write_pods_file(tmp_path / "pods.yaml", pods)
-    env = {**ADMISSION_ENV, "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE": "team:2"}
+    env = {**ADMISSION_ENV, "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE": "team:2,bob:2"}
     gateway = await start_gateway(path, env)
     async for r in _connected(gateway, path):
         yield r
@@ -1664,6 +1664,20 @@ async def test_a_tenant_over_its_limit_gets_429_and_the_others_see_what_remains(
     error = orjson.loads(refused.body)["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
     await stream.finish()
+    # Picking only, the plugin hands them to Envoy's route in metadata instead (as `pod`).
+    call = r.stub.Process(metadata=PICK_ONLY)
+    await call.write(request_headers(request_id="req-bob", extra={"x-tenant": "bob"}))
+    async with asyncio.timeout(WAIT_S):
+        assert await call.read() == HEADERS_CONTINUE
+        await call.write(request_body(CHAT_BODY))
+        pick = await call.read()
+    picked = pick.dynamic_metadata.fields["hetero_gateway"].struct_value
+    assert picked.fields["x-ratelimit-limit-requests"].string_value == "2"
+    assert picked.fields["x-ratelimit-remaining-requests"].string_value == "1"
+    endpoint = set_headers(pick.request_body.response.header_mutation)["target-pod"].decode()
+    counting = r.stub.Process(iter(_counting(endpoint, "req-bob", 200, 9)))
+    async with asyncio.timeout(WAIT_S):
+        assert [m async for m in counting] == []
     other, _ = await _route(r)  # a tenant without limits is not held to team's
     async with aiohttp.ClientSession() as http, http.get(f"{r.http}/metrics") as resp:
         page = await resp.text()
@@ -1673,4 +1687,4 @@ async def test_a_tenant_over_its_limit_gets_429_and_the_others_see_what_remains(
     for s in (*streams, other):
         await s.send(response_body(b"", end_of_stream=True))
         await s.finish()
-    assert set(_inflight(r).values()) == {0}
+    await eventually(lambda: set(_inflight(r).values()) == {0}, "every lease released")

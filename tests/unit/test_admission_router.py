@@ -412,6 +412,10 @@ def test_the_settlement_counts_the_prompt_and_the_output_served() -> None:
     failed.lease.release(0, 500, 2.0)
     router.finished(failed, 500, output_tokens=0)  # an engine's error costs a request only
     assert used(router) == [2.0, 140.0, pytest.approx(0.4)]
+    counted = routed(admit(router, req("t", prompt_tokens=100, max_tokens=500)))
+    counted.lease.release(10, 200, 3.0)
+    router.finished(counted, 200, output_tokens=10, prompt_tokens=130)  # the engine's count
+    assert used(router)[:2] == [3.0, 280.0]
 
 
 def test_a_request_shed_or_cancelled_while_waiting_gives_its_reservation_back() -> None:

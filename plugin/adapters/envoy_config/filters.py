@@ -25,6 +25,7 @@ from plugin.adapters.steering import (
     STRIPS_USAGE,
     TARGET_POD_HEADER,
 )
+from plugin.core.limits import HEADERS as LIMIT_HEADERS
 from plugin.core.request import LLM_PATHS, MODELS_PATH
 
 
@@ -83,6 +84,8 @@ _ROUTED_RESPONSE_HEADERS = (
     (TARGET_POD_HEADER, f"%DYNAMIC_METADATA({REPLY_METADATA_NAMESPACE}:pod)%"),
     ("target-pod-ip", f"%REQ({TARGET_POD_HEADER})%"),
     (PROFILE_ECHO_HEADER, f"%REQ({PROFILE_ECHO_HEADER})%"),
+    # A rate-limited tenant's `x-ratelimit-*`, as the plugin computed them when it routed.
+    *((name, f"%DYNAMIC_METADATA({REPLY_METADATA_NAMESPACE}:{name})%") for name in LIMIT_HEADERS),
 )
 
 

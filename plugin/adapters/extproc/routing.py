@@ -352,9 +352,11 @@ class RoutingProcessor:
             DESTINATION_HEADER
         ].string_value = destination
         if self._handoff is not None:  # Envoy's route adds the `target-pod` response header
-            metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields[
-                "pod"
-            ].string_value = decision.lease.pod.name
+            reply = metadata.fields[REPLY_METADATA_NAMESPACE].struct_value.fields
+            reply["pod"].string_value = decision.lease.pod.name
+            if decision.reservation is not None:  # and the tenant's `x-ratelimit-*`, as of now
+                for key, value in self._router.limit_headers(decision):
+                    reply[key].string_value = value
         common = pb.CommonResponse(header_mutation=mutation)
         body = self._usage_body
         if body is not None:

@@ -186,7 +186,8 @@ def _finish(
         return
     request = decision.request
     router.completed(request.model, request.prompt_tokens, output, status)
-    router.finished(decision, status, tokens.felt, output)
+    usage = tokens.usage()  # the engine's prompt count, where it reported one, settles limits
+    router.finished(decision, status, tokens.felt, output, usage.prompt_tokens if usage else None)
     if decision.spans is not None:  # OpenTelemetry's, when on (`plugin.adapters.otel`)
         decision.spans.ended(status, output, tokens.felt)
     if tracer is not None:
