@@ -12,6 +12,9 @@ PROMPT_TOKENS_HEADER = "x-hetero-gateway-prompt-tokens"
 # routing replica's gateway id) and its share of the pod, so a counting stream that reaches
 # another plugin replica can take the count over (`plugin.adapters.extproc.tokens.LeaseHandoff`).
 LEASE_HEADER = "x-hetero-gateway-lease"
+# Pick only, a rate-limited tenant's request: what it reserved of the tenant's limits, so that
+# whichever replica's counting stream sees it end settles the difference (`Router.settle_handed`).
+RESERVATION_HEADER = "x-hetero-gateway-reservation"
 # Dynamic metadata on the plugin's own error replies: Envoy's local-reply mappers, which turn
 # Envoy's own error texts into OpenAI JSON, leave a reply that carries it as the plugin wrote it.
 REPLY_METADATA_NAMESPACE = "hetero_gateway"

@@ -211,7 +211,9 @@ class RateLimits:
             if cap is None:
                 continue
             cap *= scale
-            used = sums[k] + (others[k] if others is not None else 0.0)
+            # Alone, a negative own sum (refunds of requests reserved elsewhere) counts as none.
+            own = sums[k] if others is not None else max(sums[k], 0.0)
+            used = own + (others[k] if others is not None else 0.0)
             if used >= cap or used + need[k] > cap:
                 key = (tenant, KINDS[k])
                 if key not in self.refused and len(self.refused) >= 3 * self.max_tenants:
@@ -244,6 +246,22 @@ class RateLimits:
         self._correct(reservation, [1.0, float(tokens), max(gpu_s, 0.0)], now)
         reservation.open = False
 
+    def settle_handed(
+        self,
+        tenant: str,
+        bucket: int,
+        reserved: Sequence[float],
+        tokens: int,
+        gpu_s: float,
+        now: float,
+    ) -> None:
+        """Settle here a request another gateway reserved (its usage holds `reserved`, taken in
+        `bucket`): the difference goes into this gateway's usage, in that bucket, and the sum
+        over the gateways is what the request used. Nothing for a tenant not limited here."""
+        if self.table.of(tenant) is None or len(reserved) != 3:
+            return
+        self.settle(Reservation(tenant, bucket, [float(x) for x in reserved]), tokens, gpu_s, now)
+
     def release(self, reservation: Reservation | None, now: float) -> None:
         """The request was refused or given up before it ran: its reservation is given back."""
         if reservation is None or not reservation.open:
@@ -271,6 +289,8 @@ class RateLimits:
             cap *= scale
             mine = usage.sums[k] if usage is not None else 0.0
             theirs = others[k] if others is not None else 0.0
+            if others is None:
+                mine = max(mine, 0.0)
             left = max(0.0, cap - mine - theirs)
             name = KINDS[k]
             out.append((f"x-ratelimit-limit-{name}", _amount_text(k, cap)))

@@ -20,6 +20,7 @@ to `on_warning`, which the gateway logs. `docs/architecture.md` draws the whole 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -874,6 +875,47 @@ class Router:
         if limits is None or decision.reservation is None:
             return []
         return limits.headers(decision.request.tenant, self._wall())
+
+    def handed_reservation(self, decision: Decision) -> str | None:
+        """What a routed request reserved of its tenant's limits, as text for whichever gateway
+        sees it end (`settle_handed`): its bucket, amounts, the speeds its charge was priced at,
+        and its tenant (last: it may hold anything). None when it reserved nothing."""
+        reservation, charge = decision.reservation, decision.charge
+        if reservation is None or not reservation.open:
+            return None
+        r, t, g = reservation.amounts
+        decode = charge.decode_tokens_per_s if charge is not None else None
+        prefill = charge.prefill_tokens_per_s if charge is not None else None
+        speeds = ";".join("" if s is None else f"{s:.6g}" for s in (decode, prefill))
+        return f"{reservation.bucket};{r:g};{t:g};{g:.6g};{speeds};{reservation.tenant}"
+
+    def settle_handed(
+        self, text: str, status: int, prompt_tokens: int, output_tokens: int | None
+    ) -> bool:
+        """Settle a request another gateway routed and reserved (`handed_reservation`'s text)
+        at what it used, in this gateway's usage; False when the text cannot be read."""
+        admission = self.admission
+        limits = admission.limits if admission is not None else None
+        if limits is None:
+            return False
+        parts = text.split(";", 6)
+        try:
+            bucket = int(parts[0])
+            reserved = [float(x) for x in parts[1:4]]
+            decode, prefill = (float(x) if x else None for x in parts[4:6])
+            tenant = parts[6]
+        except (IndexError, ValueError):
+            return False
+        if not all(math.isfinite(x) and x >= 0 for x in reserved):
+            return False
+        now = self._wall()
+        if status != 200:
+            limits.settle_handed(tenant, bucket, reserved, 0, 0.0, now)
+        elif output_tokens is not None:
+            spent = gpu_seconds(prompt_tokens, output_tokens, decode, prefill)
+            tokens = prompt_tokens + output_tokens
+            limits.settle_handed(tenant, bucket, reserved, tokens, spent, now)
+        return True
 
     def _give_back(self, reservation: Reservation | None) -> None:
         """A request that will not run gives its rate-limit reservation back."""

@@ -71,6 +71,7 @@ HEADERS_CONTINUE = pb.ProcessingResponse(
                     "x-hetero-gateway-prompt-tokens",
                     "x-aibrix-config-profile",
                     "x-hetero-gateway-lease",
+                    "x-hetero-gateway-reservation",
                 ]
             )
         )
@@ -1674,7 +1675,15 @@ async def test_a_tenant_over_its_limit_gets_429_and_the_others_see_what_remains(
     picked = pick.dynamic_metadata.fields["hetero_gateway"].struct_value
     assert picked.fields["x-ratelimit-limit-requests"].string_value == "2"
     assert picked.fields["x-ratelimit-remaining-requests"].string_value == "1"
-    endpoint = set_headers(pick.request_body.response.header_mutation)["target-pod"].decode()
+    forwarded = set_headers(pick.request_body.response.header_mutation)
+    endpoint = forwarded["target-pod"].decode()
+    # What it reserved, for a counting stream on another replica to settle (a client's copy is
+    # removed from every request, as HEADERS_CONTINUE says: it is the plugin's to set).
+    assert forwarded["x-hetero-gateway-reservation"].endswith(b";bob")
+    assert (
+        "x-hetero-gateway-reservation"
+        in HEADERS_CONTINUE.request_headers.response.header_mutation.remove_headers
+    )
     counting = r.stub.Process(iter(_counting(endpoint, "req-bob", 200, 9)))
     async with asyncio.timeout(WAIT_S):
         assert [m async for m in counting] == []

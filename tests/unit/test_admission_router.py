@@ -440,3 +440,21 @@ def test_a_refusal_after_the_reservation_gives_it_back() -> None:
     with pytest.raises(Overloaded):  # the queue is full: refused after its reservation
         admit(router, req("t"))
     assert used(router)[0] == 2.0
+
+
+def test_a_request_counted_at_another_gateway_is_settled_there() -> None:
+    """Pick only, the counting stream may reach another replica: the routing one hands over
+    what it reserved, and the sum of the two gateways' usage is what the request used."""
+    table = LimitTable({"t": TenantLimit(tokens=10_000, gpu_seconds=100.0)})
+    routing, pool, _ = setup(cap=4, limits=table)
+    counting, _, _ = setup(cap=4, limits=table)
+    pool.candidates(MODEL, 0.0)[0].capacity = 100.0
+    decision = routed(admit(routing, req("t", prompt_tokens=100, max_tokens=500)))
+    text = routing.handed_reservation(decision)
+    assert text is not None and text.endswith(";t")
+    assert counting.settle_handed(text, 200, prompt_tokens=120, output_tokens=30)
+    mine, theirs = used(routing), used(counting)
+    assert mine[1] + theirs[1] == 150.0  # 600 reserved there, -450 settled here
+    assert mine[2] + theirs[2] == pytest.approx(0.3)  # 30 tokens at 100/s
+    assert not counting.settle_handed("garbage", 200, 1, 1)
+    assert not counting.settle_handed("0;1;nan;0;;;t", 200, 1, 1)

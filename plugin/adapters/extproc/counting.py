@@ -9,6 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from plugin.adapters.steering import (
     LEASE_HEADER,
     PROMPT_TOKENS_HEADER,
+    RESERVATION_HEADER,
     TARGET_POD_HEADER,
 )
 from plugin.core.pool import Lease
@@ -46,6 +47,7 @@ class CountingProcessor:
         "_handoff",
         "_pod",
         "_prompt_tokens",
+        "_reserved",
         "_router",
         "_tokens",
         "_tracer",
@@ -65,6 +67,7 @@ class CountingProcessor:
         self._adopted: Lease | None = None  # the count taken over from another replica
         self._pod: Pod | None = None
         self._prompt_tokens = 0
+        self._reserved = ""  # what the routing replica reserved of the tenant's limits
         self._tokens = ResponseTokens()
 
     def handle(self, req: pb.ProcessingRequest) -> None:
@@ -88,6 +91,8 @@ class CountingProcessor:
                     request_id = _value(h)
                 elif h.key == LEASE_HEADER:
                     lease = _value(h)
+                elif h.key == RESERVATION_HEADER:
+                    self._reserved = _value(h)
             pod, router, handoff = self._pod, self._router, self._handoff
             if pod is not None and self._tokens.gaps is None:
                 self._tokens.gaps = ChunkGaps(
@@ -125,6 +130,10 @@ class CountingProcessor:
             output = tokens.counted(pool.tokens_per_chunk(pod.key))
             if adopted is not None:  # the count this replica took over ends with the tokens
                 adopted.release(output, tokens.status, self._router.now(), tokens.estimated())
+                if self._reserved:  # and the tenant's limits settle here what it used
+                    usage = tokens.usage()
+                    prompt = usage.prompt_tokens if usage is not None else self._prompt_tokens
+                    self._router.settle_handed(self._reserved, tokens.status, prompt, output)
             else:
                 pool.credit_tokens(pod.key, output, tokens.estimated())
             self._router.completed(pod.model, self._prompt_tokens, output, tokens.status)

@@ -18,6 +18,7 @@ from plugin.adapters.steering import (
     PROFILE_ECHO_HEADER,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
+    RESERVATION_HEADER,
     TARGET_POD_HEADER,
 )
 from plugin.config import MAX_REQUEST_HEADERS
@@ -66,12 +67,15 @@ _STEERING_HEADERS = (
     PROMPT_TOKENS_HEADER,
     PROFILE_ECHO_HEADER,
     LEASE_HEADER,
+    RESERVATION_HEADER,
 )
 _STEERING_SET = frozenset(_STEERING_HEADERS)
-# Headers a routed request always gets (the steering ones but the profile echo and the lease);
+# Headers a routed request always gets (the steering ones but the profile echo, the lease and
+# the reservation);
 # `routing-strategy` and `x-request-id` are added too when the client did not send them, the
-# profile echo when it asked for a profile, the lease where the routing stream only picks.
-_ALWAYS_ADDED = len(_STEERING_HEADERS) - 2
+# profile echo when it asked for a profile, the lease where the routing stream only picks (and
+# the reservation where it picks for a rate-limited tenant).
+_ALWAYS_ADDED = len(_STEERING_HEADERS) - 3
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(

@@ -20,6 +20,7 @@ from plugin.adapters.steering import (
     PROFILE_ECHO_HEADER,
     PROMPT_TOKENS_HEADER,
     REPLY_METADATA_NAMESPACE,
+    RESERVATION_HEADER,
     STRIP_USAGE_KEY,
     TARGET_POD_HEADER,
 )
@@ -146,6 +147,12 @@ class RoutingProcessor:
         self._profile: str | None = None  # the config profile to echo, when one was asked for
 
     @property
+    def _limited(self) -> bool:
+        """Rate limits are on: a pick may carry a reservation header too."""
+        admission = self._router.admission
+        return admission is not None and admission.limits is not None
+
+    @property
     def decision(self) -> Decision | None:
         return self._decision
 
@@ -207,7 +214,7 @@ class RoutingProcessor:
             + ("routing-strategy" not in headers)
             + ("x-request-id" not in headers)
             + (CONFIG_PROFILE_HEADER in headers)
-            + (self._handoff is not None)
+            + (self._handoff is not None) * (1 + self._limited)
             + (self._otel is not None and "traceparent" not in headers)
         )
         count = len(msg.headers.headers)
@@ -345,6 +352,9 @@ class RoutingProcessor:
         if self._handoff is not None:
             lease = self._handoff.lease_header(decision.lease)
             mutation.set_headers.append(_header(LEASE_HEADER, lease))
+            reserved = self._router.handed_reservation(decision)
+            if reserved is not None:  # a counting stream on another replica settles it
+                mutation.set_headers.append(_header(RESERVATION_HEADER, reserved))
         if self._profile is not None:
             mutation.set_headers.append(_header(PROFILE_ECHO_HEADER, self._profile))
         metadata = struct_pb2.Struct()
