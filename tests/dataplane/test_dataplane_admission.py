@@ -70,3 +70,43 @@ async def test_the_interactive_class_goes_first_and_the_batch_one_is_shed(tmp_pa
     assert headers.get("x-error-routing") == "true"
     assert orjson.loads(body)["error"]["type"] == "overloaded_error"
     assert took >= 2.9  # its limit, while the interactive request held the a100
+
+
+async def test_a_tenant_s_limit_holds_through_envoy_with_openai_s_headers(tmp_path: Path) -> None:
+    """With the default (pick-only) wiring the routing stream never sees the response: Envoy's
+    route adds the `x-ratelimit-*` headers from the plugin's metadata; the request over the
+    limit is a 429 with `retry-after` at the client."""
+    spec = FleetSpec(
+        model=MODEL,
+        presets=("a100",),
+        time_scale=8.0,
+        listen_port=free_port(),
+        plugin_env={
+            "HETERO_GATEWAY_ADMISSION": "on",
+            "HETERO_GATEWAY_TENANT_HEADER": "x-tenant",
+            "HETERO_GATEWAY_TENANT_REQUESTS_PER_MINUTE": "team:2",
+            "HETERO_GATEWAY_TENANT_TOKENS_PER_MINUTE": "team:100000",
+        },
+    )
+    async with LocalFleet(spec, str(tmp_path)) as fleet:
+        first = await _post(fleet.envoy_url, "team")
+        second = await _post(fleet.envoy_url, "team")
+        refused = await _post(fleet.envoy_url, "team")
+        other = await _post(fleet.envoy_url, "someone-else")
+    assert first[0] == second[0] == other[0] == 200
+    headers = first[1]
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "1"
+    assert headers["x-ratelimit-limit-tokens"] == "100000"
+    assert int(headers["x-ratelimit-remaining-tokens"]) < 100000
+    assert headers["x-ratelimit-reset-tokens"].endswith("s")
+    assert "x-ratelimit-limit-gpu-seconds" not in headers  # not limited in GPU time
+    assert second[1]["x-ratelimit-remaining-requests"] == "0"
+    assert not any(k.startswith("x-ratelimit") for k in other[1])  # no limits, no headers
+    status, headers, body, _ = refused
+    assert status == 429, body
+    assert int(headers["retry-after"]) >= 50
+    assert headers["x-error-rpm-exceeded"] == "true"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    error = orjson.loads(body)["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
