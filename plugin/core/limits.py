@@ -47,9 +47,11 @@ __all__ = [
 KINDS = ("requests", "tokens", "gpu-seconds")  # a limit's kinds, in `Limit.values()` order
 _REQUESTS, _TOKENS, _GPU = 0, 1, 2
 # The response headers `RateLimits.headers` may send (OpenAI's names, GPU-seconds beside them).
-HEADERS = tuple(
-    f"x-ratelimit-{what}-{kind}" for kind in KINDS for what in ("limit", "remaining", "reset")
+_HEADER_NAMES = tuple(
+    tuple(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset"))
+    for kind in KINDS
 )
+HEADERS = tuple(name for names in _HEADER_NAMES for name in names)
 BUCKETS = 60  # buckets a window; one more is counted (module docstring)
 OTHER_TENANTS = "(other)"  # the metric label of tenants beyond the bound
 # How fast a tenant's GPU-seconds a token follows its ended requests (exponential mean).
@@ -228,6 +230,9 @@ class RateLimits:
     def priced(self, reservation: Reservation | None, gpu_s: float, now: float) -> None:
         """The request was routed: its GPU-seconds as priced at its replica."""
         if reservation is not None and reservation.open:
+            limit = self.table.of(reservation.tenant)
+            if limit is None or limit.gpu_seconds is None:
+                return  # not limited in GPU time: settled at the end like the rest
             amounts = reservation.amounts
             self._correct(reservation, [amounts[0], amounts[1], max(gpu_s, 0.0)], now)
 
@@ -272,31 +277,45 @@ class RateLimits:
     def headers(self, tenant: str, now: float) -> list[tuple[str, str]]:
         """`x-ratelimit-*` headers, as OpenAI sends them, for each kind `tenant` is limited in:
         the limit, what remains of it now, and the time until it is whole again (a Go duration,
-        as OpenAI writes it: `1m0s`, `250ms`). Empty when the tenant is not limited."""
+        as OpenAI writes it: `1m0s`, `250ms`). Empty when the tenant is not limited. Once per
+        routed request: kept to plain arithmetic and one string each."""
         limit = self.table.of(tenant)
         if limit is None:
             return []
-        bucket = math.floor(now / self._bucket_s)
+        bs = self._bucket_s
         usage = self._usage.get(tenant)
+        entries: deque[list[float]] | Sequence[list[float]] = ()
+        sums: Sequence[float] = (0.0, 0.0, 0.0)
         if usage is not None:
-            usage.expire(bucket - BUCKETS)
+            usage.expire(math.floor(now / bs) - BUCKETS)
+            entries, sums = usage.entries, usage.sums
         others = self._others.get(tenant) if self.shared else None
         scale = 1.0 if self.shared else 1.0 / self.sharing
+        window = self.table.window_s
         out: list[tuple[str, str]] = []
         for k, cap in enumerate(limit.values()):
             if cap is None:
                 continue
             cap *= scale
-            mine = usage.sums[k] if usage is not None else 0.0
-            theirs = others[k] if others is not None else 0.0
-            if others is None:
-                mine = max(mine, 0.0)
-            left = max(0.0, cap - mine - theirs)
-            name = KINDS[k]
-            out.append((f"x-ratelimit-limit-{name}", _amount_text(k, cap)))
-            out.append((f"x-ratelimit-remaining-{name}", _amount_text(k, left, down=True)))
-            reset = self._reset_s(k, usage, theirs, now)
-            out.append((f"x-ratelimit-reset-{name}", duration_text(reset)))
+            mine = sums[k]
+            if others is not None:
+                theirs = others[k]
+            else:
+                theirs = 0.0
+                mine = mine if mine > 0.0 else 0.0
+            left = cap - mine - theirs
+            # Whole again when this gateway's newest usage of the kind leaves the window, and
+            # the others' (their timing unknown here) within a window.
+            reset = window if theirs > 1e-9 else 0.0
+            for entry in reversed(entries):
+                if entry[k + 1] > 1e-9:
+                    mine_s = (entry[0] + BUCKETS + 1) * bs - now
+                    reset = mine_s if mine_s > reset else reset
+                    break
+            names = _HEADER_NAMES[k]
+            out.append((names[0], _amount_text(k, cap)))
+            out.append((names[1], _amount_text(k, left if left > 0.0 else 0.0, down=True)))
+            out.append((names[2], duration_text(reset)))
         return out
 
     # sharing ---------------------------------------------------------------------------------
@@ -405,16 +424,6 @@ class RateLimits:
             if freed_mine + theirs * min(1.0, t / window) >= excess:
                 return t
         return window + bs
-
-    def _reset_s(self, k: int, usage: _Usage | None, theirs: float, now: float) -> float:
-        """The time until none of the window's usage of kind `k` is left, if no more is used."""
-        mine = 0.0
-        if usage is not None:
-            for entry in reversed(usage.entries):
-                if entry[k + 1] > 1e-9:
-                    mine = (entry[0] + BUCKETS + 1) * self._bucket_s - now
-                    break
-        return max(mine, self.table.window_s if theirs > 1e-9 else 0.0, 0.0)
 
 
 def _amount_text(k: int, value: float, down: bool = False) -> str:

@@ -87,6 +87,9 @@ class FleetSpec:
     time_scale: float = 4.0
     tokens_per_chunk: int = 8
     max_num_seqs: int | None = None
+    # Also declare `max_num_seqs` in the pods file (`maxNumSeqs`: the batch cap the gateway then
+    # knows from the start, as an operator declares it), rather than leave it to be learned.
+    declare_max_num_seqs: bool = False
     listen_port: int = 8888
     namespace: str = "default"
     fail_open: bool = False
@@ -178,9 +181,11 @@ class LocalFleet:
         return self.workdir / "pods.yaml"
 
     def pods_document(self) -> dict[str, object]:
+        declared = self.spec.max_num_seqs if self.spec.declare_max_num_seqs else None
         return {
             "models": {
                 self.spec.model: {
+                    **({"maxNumSeqs": declared} if declared is not None else {}),
                     "pods": [
                         {
                             "name": e.name,
@@ -192,7 +197,7 @@ class LocalFleet:
                             "labels": {"gpu": e.preset, "app.kubernetes.io/name": e.preset},
                         }
                         for e in self.engines
-                    ]
+                    ],
                 }
             }
         }
