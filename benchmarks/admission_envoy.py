@@ -101,7 +101,7 @@ async def _ask(session: aiohttp.ClientSession, url: str, out: Outcome, body: byt
     headers = {"x-tenant": out.tenant, "content-type": "application/json"}
     started = time.monotonic()
     first: float | None = None
-    events = 0
+    tokens = 0  # the engine's count (its usage chunk): an event may carry several tokens
     try:
         async with session.post(f"{url}/v1/chat/completions", data=body, headers=headers) as r:
             out.status = r.status
@@ -113,14 +113,14 @@ async def _ask(session: aiohttp.ClientSession, url: str, out: Outcome, body: byt
                     continue
                 data = orjson.loads(line[6:])
                 if not data.get("choices"):
-                    continue  # the usage chunk
-                events += 1
+                    tokens = int((data.get("usage") or {}).get("completion_tokens") or 0)
+                    continue
                 if first is None:
                     first = time.monotonic()
                     out.ttft_s = first - started
         ended = time.monotonic()
-        if first is not None and events > 1:
-            out.tpot_s = (ended - first) / (events - 1)
+        if first is not None and tokens > 1:
+            out.tpot_s = (ended - first) / (tokens - 1)
     except (aiohttp.ClientError, TimeoutError, ValueError):
         out.status = out.status if out.status != 200 else 0
 

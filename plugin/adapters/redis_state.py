@@ -45,7 +45,8 @@ else the host name):
                                           this gateway's usage of the tenants' rate limits in
                                           the last window (`plugin.core.limits`); rewritten
                                           every sync, expires a window and a TTL after its last:
-                                          a gateway that dies still counts what it served
+                                          a gateway that dies still counts what it served, and a
+                                          process restarting under its name reads it first
     hetero-gateway:scrapes:<gateway id>   string: JSON `{"seq": n, "pods": {pod key: record}}`,
                                           what this gateway read from the engines it scraped in
                                           its last scrape tick (`plugin.adapters.scraper`);
@@ -208,12 +209,17 @@ def _usage_sums(reply: Any) -> dict[str, list[float]]:
         if not text:
             continue  # expired: nothing of that gateway's is left in the window
         try:
-            for tenant, values in orjson.loads(text).items():
-                total = sums.setdefault(str(tenant), [0.0, 0.0, 0.0])
-                for k in range(3):
-                    total[k] += float(values[k])
-        except (orjson.JSONDecodeError, AttributeError, IndexError, TypeError, ValueError):
+            read = {
+                str(t): [float(v[0]), float(v[1]), float(v[2])]
+                for t, v in orjson.loads(text).items()
+            }
+        except (orjson.JSONDecodeError, AttributeError, LookupError, TypeError, ValueError):
             log.warning("unreadable tenant usage in Redis: ignored")
+            continue  # all of that gateway's entry, not half of it
+        for tenant, values in read.items():
+            total = sums.setdefault(tenant, [0.0, 0.0, 0.0])
+            for k in range(3):
+                total[k] += values[k]
     return sums
 
 
@@ -244,6 +250,7 @@ class RedisState:
         self._pool = pool
         # The tenants' rate limits, held across the gateways (None: no limits).
         self._limits = limits
+        self._usage_published = False
         self._claims = claims
         # Scrapes shared with the other gateways (None: this gateway scrapes every pod).
         self.shares = shares
@@ -342,7 +349,10 @@ class RedisState:
                     else:
                         pipe.xread({PREFIXES_KEY: self._prefixes_read}, count=PREFIXES_READ)
                 limits = self._limits
+                first = not self._usage_published  # read what a previous process left first
                 if limits is not None:
+                    if first:
+                        pipe.get(usage_key(me))
                     usage = orjson.dumps(limits.totals(now))
                     usage_ms = round(limits.table.window_s * 1000) + ttl_ms
                     pipe.set(usage_key(me), usage, px=usage_ms)
@@ -352,8 +362,12 @@ class RedisState:
             peers_usage: dict[str, list[float]] = {}
             if limits is not None:
                 # The usage comes last: the replies before it keep their places.
-                peers_usage = _usage_sums(replies[-1] if others else [])
-                replies = replies[: -2 if others else -1]
+                count = 1 + bool(others) + first
+                usage_replies, replies = replies[-count:], replies[:-count]
+                peers_usage = _usage_sums(usage_replies[-1] if others else [])
+                if first:
+                    self._usage_published = True
+                    limits.carry_over(_usage_sums([usage_replies[0]]), now)
             if prefixes is not None:
                 # The prefixes come last: the replies before them keep their places.
                 self._read_prefixes(prefixes, replies[-1])

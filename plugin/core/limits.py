@@ -209,21 +209,22 @@ class RateLimits:
         others = self._others.get(tenant) if self.shared else None
         scale = 1.0 if self.shared else 1.0 / self.sharing
         sums = usage.sums
-        for k, cap in enumerate(limit.values()):
-            if cap is None:
+        for k, full in enumerate(limit.values()):
+            if full is None:
                 continue
-            cap *= scale
+            cap = full * scale
             # Alone, a negative own sum (refunds of requests reserved elsewhere) counts as none.
             own = sums[k] if others is not None else max(sums[k], 0.0)
             used = own + (others[k] if others is not None else 0.0)
-            if used >= cap or used + need[k] > cap:
-                key = (tenant, KINDS[k])
-                if key not in self.refused and len(self.refused) >= 3 * self.max_tenants:
-                    key = (OTHER_TENANTS, KINDS[k])  # a bound on the metric's series
-                self.refused[key] = self.refused.get(key, 0) + 1
-                refusal = self._refusal(tenant, k, cap, used, need[k], usage, others, now)
-                refusal.extra_headers += tuple(self.headers(tenant, now))
-                raise refusal
+            if (used < cap and used + need[k] <= cap) or (used <= 0.0 and need[k] <= full):
+                continue  # fits; a share smaller than one request still serves one at a time
+            key = (tenant, KINDS[k])
+            if key not in self.refused and len(self.refused) >= 3 * self.max_tenants:
+                key = (OTHER_TENANTS, KINDS[k])  # a bound on the metric's series
+            self.refused[key] = self.refused.get(key, 0) + 1
+            refusal = self._refusal(tenant, k, cap, full, used, need[k], usage, others, now)
+            refusal.extra_headers += tuple(self.headers(tenant, now))
+            raise refusal
         usage.add(bucket, need)
         return Reservation(tenant, bucket, need)
 
@@ -263,9 +264,16 @@ class RateLimits:
         """Settle here a request another gateway reserved (its usage holds `reserved`, taken in
         `bucket`): the difference goes into this gateway's usage, in that bucket, and the sum
         over the gateways is what the request used. Nothing for a tenant not limited here."""
-        if self.table.of(tenant) is None or len(reserved) != 3:
+        limit = self.table.of(tenant)
+        if limit is None or len(reserved) != 3:
             return
-        self.settle(Reservation(tenant, bucket, [float(x) for x in reserved]), tokens, gpu_s, now)
+        current = math.floor(now / self._bucket_s)
+        if not current - BUCKETS <= bucket <= current:
+            return  # not a bucket a live reservation can be in: refund nothing
+        # No refund beyond what a reservation within the limits could hold.
+        caps = [c if c is not None else math.inf for c in limit.values()]
+        held = [min(float(x), caps[k]) for k, x in enumerate(reserved)]
+        self.settle(Reservation(tenant, bucket, held), tokens, gpu_s, now)
 
     def release(self, reservation: Reservation | None, now: float) -> None:
         """The request was refused or given up before it ran: its reservation is given back."""
@@ -314,17 +322,31 @@ class RateLimits:
                     break
             names = _HEADER_NAMES[k]
             out.append((names[0], _amount_text(k, cap)))
-            out.append((names[1], _amount_text(k, left if left > 0.0 else 0.0, down=True)))
+            left = min(max(left, 0.0), cap)
+            out.append((names[1], _amount_text(k, left, down=True)))
             out.append((names[2], duration_text(reset)))
         return out
 
     # sharing ---------------------------------------------------------------------------------
     def totals(self, now: float) -> dict[str, list[float]]:
-        """This gateway's usage in the window per tenant, for the others (tenants with none
-        left out, and forgotten)."""
+        """This gateway's usage in the window per tenant, for the others (tenants whose
+        buckets have all left the window are forgotten and left out)."""
         bucket = math.floor(now / self._bucket_s)
         self._tidy(bucket)
         return {tenant: [round(s, 6) for s in usage.sums] for tenant, usage in self._usage.items()}
+
+    def carry_over(self, previous: Mapping[str, Sequence[float]], now: float) -> None:
+        """Usage a previous process under this gateway's name published (a restart keeps the
+        pod's name): counted as used now, a whole window from now (when in the last minute it
+        was used is not known: the safe side), so a restart frees no tenant's limit."""
+        bucket = math.floor(now / self._bucket_s)
+        for tenant, values in previous.items():
+            if self.table.of(tenant) is None or len(values) != 3:
+                continue
+            usage = self._usage.get(tenant)
+            if usage is None:
+                usage = self._usage[tenant] = _Usage()
+            usage.add(bucket, [v if v > 0.0 and math.isfinite(v) else 0.0 for v in values])
 
     def set_shared(self, others: Mapping[str, Sequence[float]], gateways: int) -> None:
         """The other gateways' usage sums per tenant, just read, and how many gateways share
@@ -345,9 +367,9 @@ class RateLimits:
 
     # inside ----------------------------------------------------------------------------------
     def _correct(self, reservation: Reservation, amounts: list[float], now: float) -> None:
-        """Move the reservation to `amounts`, in its own bucket while that still counts; a
-        bucket that has left the window takes no refund, and an increase goes to the current
-        bucket."""
+        """Move the reservation to `amounts`: a refund in its own bucket while that still counts
+        (none once it has left the window), an increase in the current bucket (used now: it
+        must count for a window from now, not from when the request was reserved)."""
         delta = [amounts[k] - reservation.amounts[k] for k in range(3)]
         reservation.amounts = amounts
         if not any(delta):
@@ -357,10 +379,12 @@ class RateLimits:
         if usage is None:
             usage = self._usage[reservation.tenant] = _Usage()
         usage.expire(bucket - BUCKETS)
-        if reservation.bucket >= bucket - BUCKETS:
-            usage.add(reservation.bucket, delta)
-        else:
-            usage.add(bucket, [max(d, 0.0) for d in delta])
+        refund = [d if d < 0.0 else 0.0 for d in delta]
+        if any(refund) and reservation.bucket >= bucket - BUCKETS:
+            usage.add(reservation.bucket, refund)
+        increase = [d if d > 0.0 else 0.0 for d in delta]
+        if any(increase):
+            usage.add(bucket, increase)
 
     def _tidy(self, bucket: int) -> None:
         """Forget the tenants with no usage left in the window."""
@@ -380,6 +404,7 @@ class RateLimits:
         tenant: str,
         k: int,
         cap: float,
+        full: float,
         used: float,
         need: float,
         usage: _Usage,
@@ -388,11 +413,11 @@ class RateLimits:
     ) -> RateLimited:
         name = KINDS[k]
         share = "" if self.shared else f" (this gateway's share: 1/{self.sharing})"
-        if need > cap:
+        if need > full:  # larger than the whole limit: no wait makes it fit
             return RateLimited(
                 name,
                 f"request too large for tenant {tenant!r}: it needs {_amount_text(k, need)} of"
-                f" {_amount_text(k, cap)} {name} per {self.table.window_s:g} s{share}",
+                f" {_amount_text(k, full)} {name} per {self.table.window_s:g} s",
                 None,
             )
         theirs = others[k] if others is not None else 0.0

@@ -602,7 +602,8 @@ class Router:
             charge = admission.estimate(request, answer.candidate, predicted)
             admission.charge(request.model, request.tenant, charge.gpu_s)
             if reservation is not None and admission.limits is not None:
-                output = predicted or request.max_tokens or 0
+                # What `reserve` checked: the whole `max_tokens` while the request runs.
+                output = request.max_tokens or predicted or 0
                 spent = gpu_seconds(
                     request.prompt_tokens,
                     output,
@@ -887,7 +888,7 @@ class Router:
         decode = charge.decode_tokens_per_s if charge is not None else None
         prefill = charge.prefill_tokens_per_s if charge is not None else None
         speeds = ";".join("" if s is None else f"{s:.6g}" for s in (decode, prefill))
-        return f"{reservation.bucket};{r:g};{t:g};{g:.6g};{speeds};{reservation.tenant}"
+        return f"{reservation.bucket};{r:.17g};{t:.17g};{g:.17g};{speeds};{reservation.tenant}"
 
     def settle_handed(
         self, text: str, status: int, prompt_tokens: int, output_tokens: int | None

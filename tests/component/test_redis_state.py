@@ -607,3 +607,9 @@ async def test_tenant_limits_hold_across_gateways_and_fall_back_to_a_share(
     assert lb.shared and remaining_tokens(lb) == 0
     with pytest.raises(RateLimited):
         lb.reserve("team", 1, time.time())
+    # A new process under a's name (a restarted container) starts from what a published.
+    la2 = RateLimits(table)
+    members("gw-a", limits=la2).start()
+    await eventually(lambda: la2.shared and la2.sharing == 2, "the new a shares the limits")
+    assert la2.totals(time.time())["team"][1] == 600.0
+    assert remaining_tokens(la2) == 0

@@ -202,3 +202,41 @@ def test_no_window_ever_serves_more_than_the_limit_to_a_tenant_at_three_times_it
     assert max(windows) <= limit
     assert sum(windows[-60:]) / 60 >= 0.9 * limit  # and the limit is used, not starved
     assert BUCKETS == 60
+
+
+def test_usage_beyond_the_reservation_counts_from_when_it_was_used() -> None:
+    rl = limits(tokens=1000)
+    held = rl.reserve("team", 100, 0.5)  # no max_tokens: its prediction
+    rl.settle(held, 900, 0.0, 59.5)  # a long answer
+    with pytest.raises(RateLimited):  # the 800 beyond counts a window from 59.5 s
+        rl.reserve("team", 900, 61.5)
+    assert rl.reserve("team", 900, 121.0) is not None
+
+
+def test_a_share_smaller_than_one_request_serves_one_at_a_time() -> None:
+    rl = limits(requests=2)
+    rl.set_shared({}, gateways=3)
+    rl.set_local()  # a third of 2 requests here: one at a time, not none
+    assert rl.reserve("team", 0, 0.0) is not None
+    with pytest.raises(RateLimited) as refused:
+        rl.reserve("team", 0, 1.0)
+    assert refused.value.retry_after_s is not None  # it will fit again: not "too large"
+
+
+def test_a_handed_settlement_refunds_only_what_a_live_reservation_could_hold() -> None:
+    rl = limits(tokens=1000)
+    rl.reserve("team", 1000, 100.0)
+    bucket = 100
+    rl.settle_handed("team", bucket + 10**9, [1, 1e12, 0], 0, 0.0, 100.5)  # a future bucket
+    rl.settle_handed("team", bucket - 1000, [1, 1e12, 0], 0, 0.0, 100.5)  # long gone
+    assert rl.totals(100.5)["team"][1] == 1000.0
+    rl.settle_handed("team", bucket, [1, 1e12, 0], 0, 0.0, 100.5)  # at most the limit back
+    assert rl.totals(100.5)["team"][1] == 0.0
+
+
+def test_a_restart_carries_over_what_the_previous_process_published() -> None:
+    rl = limits(tokens=1000)
+    rl.carry_over({"team": [3.0, 900.0, 0.0], "stranger": [1.0, 5.0, 0.0]}, 10.0)
+    assert rl.totals(10.0) == {"team": [3.0, 900.0, 0.0]}
+    with pytest.raises(RateLimited):
+        rl.reserve("team", 200, 11.0)
