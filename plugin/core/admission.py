@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
 from plugin.core.auth import bearer_token
+from plugin.core.config_profile import ConfigProfile
 from plugin.core.limits import OTHER_TENANTS, LimitTable, RateLimits
 from plugin.core.types import Candidate, RequestInfo
 from plugin.core.view import CandidateView
@@ -436,12 +437,21 @@ class Admission:
     def rank(self, request: RequestInfo) -> int:
         return self.settings.classes.rank(request.tenant, request.priority_class)
 
-    def max_wait_s(self, rank: int) -> float:
-        """The longest a request of class `rank` waits: its class's own, else the default."""
+    def max_wait_s(self, rank: int, profile: ConfigProfile | None = None) -> float:
+        """The longest a request of class `rank` waits: its config profile's for its class,
+        else the profile's own (`routingConfig.admission`), else its class's, else the
+        default; a profile's never beyond the longest the settings allow (Envoy's hold timeout
+        is set from them)."""
         settings = self.settings
         names = settings.classes.names
         name = names[min(rank, len(names) - 1)]
-        return settings.class_max_wait_s.get(name, settings.max_wait_s)
+        wait = settings.class_max_wait_s.get(name, settings.max_wait_s)
+        if profile is not None:
+            own_ms = profile.admission_class_wait_ms.get(name, profile.admission_wait_ms)
+            if own_ms is not None:
+                longest = max([settings.max_wait_s, *settings.class_max_wait_s.values()])
+                wait = min(own_ms / 1000.0, longest)
+        return wait
 
     def queue(self, model: str) -> FairQueue[object]:
         found = self.queues.get(model)

@@ -21,6 +21,11 @@ The document, as AIBrix reads it (`pkg/plugins/gateway/configprofiles`; its desi
   `prefixCacheLoadBalanceWeight`, overriding the `AIBRIX_ROUTING_AUTO_BLEND_*` variables.
 - `routingConfig.promptTokensGte` / `promptTokensLt` / `maxTokensGte` / `maxTokensLt`: the
   ranges `config-profile: auto` selects by.
+- `routingConfig.admission` (this gateway's): `maxWaitMs`, the longest a request of this
+  profile waits in admission's queue, and `classMaxWaitMs` (`{"batch": 2000}`), its class's own,
+  overriding `HETERO_GATEWAY_ADMISSION_MAX_WAIT_MS` and `HETERO_GATEWAY_CLASS_MAX_WAIT_MS` for
+  its requests (never beyond the longest wait those allow: Envoy's hold timeout is set from
+  them). A class the gateway does not have never matches.
 - `clientHeaders` (beside `profiles`; this gateway's, AIBrix ignores it): which routing headers
   the model's clients may send (`plugin.core.header_policy`).
 
@@ -78,6 +83,9 @@ class ConfigProfile:
     load_balance: Mapping[str, float] = field(default_factory=dict)
     imbalance: Mapping[str, float] = field(default_factory=dict)
     auto_blend: Mapping[str, int] = field(default_factory=dict)
+    # Admission's waits for the requests of this profile (None / empty: the gateway's).
+    admission_wait_ms: int | None = None
+    admission_class_wait_ms: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def overrides_routing(self) -> bool:
@@ -238,6 +246,7 @@ def _profile(
             )
             if got_int is not None:
                 auto_blend[attr] = got_int
+    wait_ms, class_wait_ms = _admission(config.get("admission", {}), where, problems)
     return ConfigProfile(
         name,
         strategy,
@@ -245,7 +254,33 @@ def _profile(
         overrides["load_balance"],
         overrides["imbalance"],
         auto_blend,
+        wait_ms,
+        class_wait_ms,
     )
+
+
+_MAX_WAIT_MS = 59_000  # Envoy's ext_proc message timeout (60 s) less 1 s, as the variables'
+
+
+def _admission(doc: Any, where: str, problems: list[str]) -> tuple[int | None, dict[str, int]]:
+    """`routingConfig.admission`: the profile's longest wait and its classes' own."""
+    where = f"{where}.routingConfig.admission"
+    if not isinstance(doc, dict):
+        problems.append(f"{where}: not an object; ignored")
+        return None, {}
+    wait_ms = None
+    if "maxWaitMs" in doc:
+        wait_ms = _integer(doc["maxWaitMs"], f"{where}.maxWaitMs", problems, 1, _MAX_WAIT_MS)
+    classes: dict[str, int] = {}
+    by_class = doc.get("classMaxWaitMs", {})
+    if not isinstance(by_class, dict):
+        problems.append(f"{where}.classMaxWaitMs: not an object; ignored")
+        by_class = {}
+    for name, value in by_class.items():
+        got = _integer(value, f"{where}.classMaxWaitMs.{name}", problems, 1, _MAX_WAIT_MS)
+        if got is not None:
+            classes[str(name)] = got
+    return wait_ms, classes
 
 
 def parse_model_config(

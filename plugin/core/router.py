@@ -491,7 +491,9 @@ class Router:
         self._profiles[id(profile)] = (profile, table)
         return table
 
-    def admit(self, request: RequestInfo, strategy: Strategy) -> Decision | Waiter:
+    def admit(
+        self, request: RequestInfo, strategy: Strategy, profile: ConfigProfile | None = None
+    ) -> Decision | Waiter:
         """Ask the strategy once: a decision (lease taken), a waiter (queued), or the error.
 
         With admission on, a request whose model's fleet is full, or whose model has requests
@@ -502,6 +504,9 @@ class Router:
         GPU profile (its `profiled` says so) to the default strategy (or, if that needs them
         too, to least-request).
 
+        `profile`: the model config profile the request runs with (`select`), whose
+        `routingConfig.admission` may set how long it waits for room.
+
         With rate limits, the tenant's reservation is taken first (`plugin.core.limits`; over a
         limit: `RateLimited`, 429) and given back if the request is not routed.
         """
@@ -509,7 +514,7 @@ class Router:
         admission = self.admission
         limits = admission.limits if admission is not None else None
         if limits is None:
-            return self._admit(request, strategy, now, None)
+            return self._admit(request, strategy, now, None, profile)
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = self.history.predict(request.model, request.prompt_tokens, now) or 0
@@ -517,7 +522,7 @@ class Router:
             request.tenant, request.prompt_tokens + max_tokens, self._wall()
         )
         try:
-            return self._admit(request, strategy, now, reservation)
+            return self._admit(request, strategy, now, reservation, profile)
         except BaseException:
             self._give_back(reservation)
             raise
@@ -528,13 +533,16 @@ class Router:
         strategy: Strategy,
         now: float,
         reservation: Reservation | None,
+        profile: ConfigProfile | None = None,
     ) -> Decision | Waiter:
         candidates = self._candidates(request, now)
         admission = self.admission
         if admission is not None:
             top = admission.rank(request) == 0
             if admission.should_hold(request.model, candidates, 0 if top else 1):
-                waiter = self._hold_for_room(admission, request, strategy, now, reservation)
+                waiter = self._hold_for_room(
+                    admission, request, strategy, now, reservation, profile
+                )
                 if waiter.done:  # room at once (queued behind none): routed, or its error
                     return waiter.result()
                 return waiter
@@ -621,6 +629,7 @@ class Router:
         strategy: Strategy,
         now: float,
         reservation: Reservation | None = None,
+        profile: ConfigProfile | None = None,
     ) -> Waiter:
         """Queue the request for room in its class; a full queue sheds its lowest class (or
         refuses this one); then dispatch whatever room there is."""
@@ -647,7 +656,7 @@ class Router:
                     "a request of a higher priority class took its place in the full queue",
                 ),
             )
-        wait = Wait(now + admission.max_wait_s(rank))
+        wait = Wait(now + admission.max_wait_s(rank, profile))
         waiter = Waiter(self, request, strategy, wait)
         waiter.admitting = True
         waiter.reservation = reservation

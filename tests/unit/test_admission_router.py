@@ -11,6 +11,7 @@ import pytest
 
 from plugin.core.admission import OTHER_TENANTS, Admission, AdmissionSettings, ClassTable
 from plugin.core.capacity import CapacityEstimator
+from plugin.core.config_profile import ConfigProfile
 from plugin.core.limits import Limit as TenantLimit
 from plugin.core.limits import LimitTable
 from plugin.core.pool import PodPool
@@ -458,3 +459,19 @@ def test_a_request_counted_at_another_gateway_is_settled_there() -> None:
     assert mine[2] + theirs[2] == pytest.approx(0.3)  # 30 tokens at 100/s
     assert not counting.settle_handed("garbage", 200, 1, 1)
     assert not counting.settle_handed("0;1;nan;0;;;t", 200, 1, 1)
+
+
+def test_a_config_profile_sets_how_long_its_requests_wait() -> None:
+    router, _, clock = setup(cap=1, max_wait_s=5.0)
+    quick = ConfigProfile("quick", admission_class_wait_ms={"batch": 1000})
+    patient = ConfigProfile("patient", admission_wait_ms=60_000)
+    routed(admit(router, req("t")))
+    short = router.admit(req("t"), router.strategy_for(None), quick)
+    long = router.admit(req("t"), router.strategy_for(None), patient)
+    assert isinstance(short, Waiter) and isinstance(long, Waiter)
+    assert short.deadline == 1.0
+    assert long.deadline == 5.0  # never beyond the settings' longest (Envoy's hold timeout)
+    clock.t = 1.0
+    router.expire(short)
+    with pytest.raises(Overloaded):
+        short.result()

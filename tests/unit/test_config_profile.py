@@ -304,3 +304,24 @@ def test_a_profile_naming_a_strategy_this_gateway_lacks_routes_by_the_default() 
         decision.lease.release()
     _, problems = parse_model_config(orjson.dumps(doc), strategy_names())
     assert any("no least-latency" in p for p in problems) and any("no pd" in p for p in problems)
+
+
+def test_a_profile_s_admission_waits_are_read_and_bad_ones_reported() -> None:
+    doc = {
+        "profiles": {
+            "default": {},
+            "patient": {
+                "routingConfig": {
+                    "admission": {"maxWaitMs": 20000, "classMaxWaitMs": {"batch": 500, "x": -1}}
+                }
+            },
+            "odd": {"routingConfig": {"admission": {"maxWaitMs": 600000}}},
+        }
+    }
+    config, problems = parse_model_config(orjson.dumps(doc), strategy_names())
+    assert config is not None
+    patient = config.profiles["patient"]
+    assert patient.admission_wait_ms == 20000
+    assert patient.admission_class_wait_ms == {"batch": 500}
+    assert config.profiles["odd"].admission_wait_ms is None
+    assert len(problems) == 2 and all("admission" in p for p in problems)

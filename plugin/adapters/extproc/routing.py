@@ -262,7 +262,7 @@ class RoutingProcessor:
             )
             if profile is not None and CONFIG_PROFILE_HEADER in headers:
                 self._profile = profile.name  # echoed: the profile the request ran with
-            outcome = self._router.admit(request, strategy)
+            outcome = self._router.admit(request, strategy, profile)
         except RequestError as err:
             # A request for a served model counts as traffic even when refused (no ready pod,
             # a full queue): it is demand. An unknown model does not (clients name any model).
