@@ -35,6 +35,9 @@ is full, and which waiting request goes next. The router holds requests by them 
   strategy while there is room.
   A replica keeps `TOP_CLASS_SHARE` of its room for the highest class: the others see it full
   that much sooner.
+- **A head held by its selector.** A request whose `external-filter` matches only full
+  replicas does not hold back those behind it: while it waits at the head, the next ones (up to
+  `LOOK_PAST` of them, in queue order) whose own replicas have room go first.
 - **Shedding.** A request that waits longer than its class may is answered 503 (OpenAI's
   `overloaded_error`) with `retry-after`; when the queue is at its bound, an arrival of a higher
   class sheds the newest request of the most-used tenant in the lowest class waiting, else it is
@@ -229,6 +232,22 @@ class FairQueue(Generic[T]):
         tenants = self._by_rank[min(self._by_rank)]
         return tenants[self._next_tenant(tenants)][0].item
 
+    def in_order(self, limit: int) -> list[T]:
+        """Up to `limit` waiting requests in the order `pop` takes them while no usage changes:
+        class by class, tenants by usage (then their oldest request), each tenant's oldest
+        first. O(tenants log tenants) per class looked at: for the rare path that looks past
+        the head."""
+        found: list[T] = []
+        usage = self.usage
+        for rank in sorted(self._by_rank):
+            tenants = self._by_rank[rank]
+            for tenant in sorted(tenants, key=lambda t: (usage.get(t, 0.0), tenants[t][0].seq)):
+                for entry in tenants[tenant]:
+                    if len(found) >= limit:
+                        return found
+                    found.append(entry.item)
+        return found
+
     def items(self) -> list[T]:
         """Every waiting request (any order)."""
         return [e.item for e in self._items.values()]
@@ -312,7 +331,10 @@ UNKNOWN_CAP = 256
 # the long prefills that stretch a full batch's steps).
 TOP_CLASS_SHARE = 0.1
 
-_ROOM, _TOP_ONLY = 0, 1  # room for every class; room for the highest class only
+_ROOM, _TOP_ONLY = 0, 1
+
+# Waiting requests looked at past a head whose `external-filter` matches only full replicas.
+LOOK_PAST = 16  # room for every class; room for the highest class only
 
 
 def _room(candidate: Candidate) -> int | None:

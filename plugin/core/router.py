@@ -26,7 +26,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plugin.core.admission import Admission, Charge, gpu_seconds, has_room, with_room
+from plugin.core.admission import (
+    LOOK_PAST,
+    Admission,
+    Charge,
+    FairQueue,
+    gpu_seconds,
+    has_room,
+    with_room,
+)
 from plugin.core.config_profile import ConfigProfile, overridden
 from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import (
@@ -694,9 +702,16 @@ class Router:
                     self._settled(waiter, None, err)
                     continue
                 top = admission.rank(waiter.request) == 0
-                if not has_room(candidates, top):
-                    break
-                queue.pop()
+                if has_room(candidates, top):
+                    queue.pop()
+                else:
+                    if waiter.request.pod_selector is None:
+                        break
+                    found = self._past_filtered_head(admission, queue, now)
+                    if found is None:
+                        break
+                    waiter, candidates, top = found
+                    queue.remove(waiter)
                 waiter.admitting = False
                 try:
                     self._ask(waiter, final=False, candidates=with_room(candidates, top))
@@ -711,6 +726,23 @@ class Router:
                     break
         finally:
             self._draining.discard(model)
+
+    def _past_filtered_head(
+        self, admission: Admission, queue: FairQueue[object], now: float
+    ) -> tuple[Waiter, Sequence[Candidate], bool] | None:
+        """The head's `external-filter` matches only full replicas: the first of the next
+        waiting requests (`LOOK_PAST`, in queue order) whose own candidates have room, with
+        them and whether it is of the top class; None when none has."""
+        for item in queue.in_order(LOOK_PAST):
+            assert isinstance(item, Waiter)
+            try:
+                candidates = self._candidates(item.request, now)
+            except RequestError:
+                continue  # answered when it reaches the head
+            top = admission.rank(item.request) == 0
+            if has_room(candidates, top):
+                return item, candidates, top
+        return None
 
     def _candidates(self, request: RequestInfo, now: float) -> Sequence[Candidate]:
         """The model's candidates, narrowed to those its `external-filter` selector matches."""

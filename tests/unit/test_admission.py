@@ -170,3 +170,20 @@ def test_gpu_seconds_served_stay_even_where_tokens_and_requests_do_not() -> None
     gpu, count = serve(by_gpu_time=False)
     assert abs(count["slow"] - count["fast"]) <= 1
     assert gpu["slow"] / gpu["fast"] == pytest.approx(3.2, rel=0.15)
+
+
+def test_in_order_lists_what_pop_would_take_while_usage_stands() -> None:
+    queue: FairQueue[str] = FairQueue()
+    for item, tenant, rank in (
+        ("b1", "b", 1),
+        ("a1", "a", 1),
+        ("top", "c", 0),
+        ("a2", "a", 1),
+        ("b2", "b", 1),
+    ):
+        queue.push(item, tenant, rank)
+    queue.charge("b", 5.0)
+    listed = queue.in_order(10)
+    assert listed == ["top", "a1", "a2", "b1", "b2"]
+    assert [queue.pop()[0] for _ in range(5)] == listed  # type: ignore[index]
+    assert queue.in_order(3) == []

@@ -16,6 +16,7 @@ from plugin.core.limits import Limit as TenantLimit
 from plugin.core.limits import LimitTable
 from plugin.core.pool import PodPool
 from plugin.core.router import Decision, Router, Waiter
+from plugin.core.selector import parse_selector
 from plugin.core.strategies import build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
 from plugin.errors import Overloaded, RateLimited, RoutingFailed, error_reply
@@ -475,3 +476,21 @@ def test_a_config_profile_sets_how_long_its_requests_wait() -> None:
     router.expire(short)
     with pytest.raises(Overloaded):
         short.result()
+
+
+def test_a_head_whose_filter_matches_only_full_replicas_does_not_hold_back_others() -> None:
+    router, pool, _ = setup(cap=1)
+    pods = [
+        dataclasses.replace(make_pod(n, port=9000 + i, labels={"gpu": n}), max_num_seqs=1)
+        for i, n in enumerate(("a100", "v100"))
+    ]
+    pool.set_pods(pods)
+    only_a = req("t", pod_selector=parse_selector("gpu=a100"))
+    first = routed(admit(router, only_a))
+    assert first.lease.pod.name == "a100"
+    held = waiting(admit(router, only_a))  # its only replica is full: the head
+    # Behind it, a request any replica can take goes to the one with room at once.
+    other = routed(admit(router, req("u")))
+    assert other.lease.pod.name == "v100" and not held.done
+    first.lease.release()
+    assert held.done and held.result().lease.pod.name == "a100"
