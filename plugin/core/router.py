@@ -198,6 +198,7 @@ class Waiter:
         if self._decision is not None and not self._taken:
             self._taken = True
             self._decision.lease.release()
+            self._router._refund(self._decision)
 
     def _settle(self, decision: Decision | None, error: RequestError | None) -> None:
         self._decision, self._error = decision, error
@@ -958,6 +959,13 @@ class Router:
             tokens = prompt_tokens + output_tokens
             limits.settle_handed(tenant, bucket, reserved, tokens, spent, now)
         return True
+
+    def _refund(self, decision: Decision) -> None:
+        """A granted request its client gave up before taking it: its tenant's charge back."""
+        admission, charge = self.admission, decision.charge
+        if admission is not None and charge is not None:
+            request = decision.request
+            admission.charge(request.model, request.tenant, -charge.gpu_s)
 
     def _give_back(self, reservation: Reservation | None) -> None:
         """A request that will not run gives its rate-limit reservation back."""

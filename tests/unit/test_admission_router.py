@@ -494,3 +494,18 @@ def test_a_head_whose_filter_matches_only_full_replicas_does_not_hold_back_other
     assert other.lease.pod.name == "v100" and not held.done
     first.lease.release()
     assert held.done and held.result().lease.pod.name == "a100"
+
+
+def test_a_request_granted_but_given_up_before_it_was_taken_is_not_charged() -> None:
+    router, pool, _ = setup(cap=1)
+    admission = router.admission
+    assert admission is not None
+    pool.candidates(MODEL, 0.0)[0].capacity = 100.0
+    first = routed(admit(router, req("t", max_tokens=100)))
+    held = waiting(admit(router, req("t", max_tokens=100)))
+    first.lease.release()
+    router.finished(first, 200, output_tokens=100)
+    assert held.done and admission.queue(MODEL).usage["t"] == pytest.approx(2.0)
+    held.cancel()  # the client went away before its stream took the grant
+    assert admission.queue(MODEL).usage["t"] == pytest.approx(1.0)
+    assert pool.inflight("ns/a") == 0
