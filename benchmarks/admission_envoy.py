@@ -29,7 +29,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -82,19 +82,13 @@ class Result:
 def capacity_rps() -> float:
     """Requests a second the fleet completes with every batch full: each engine's decode
     throughput at its cap over the mean answer (prefill left out: an upper bound)."""
-    total = 0.0
-    for preset in PRESETS:
-        params = ENGINE_PRESETS[preset]
-        params = type(params)(
-            a_ms=params.a_ms,
-            b_ms=params.b_ms,
-            prefill_ms_per_token=params.prefill_ms_per_token,
-            kv_tokens=params.kv_tokens,
-            max_num_seqs=MAX_NUM_SEQS,
-            time_scale=TIME_SCALE,
+    return sum(
+        saturated_output_tokens_per_s(
+            replace(ENGINE_PRESETS[p], max_num_seqs=MAX_NUM_SEQS, time_scale=TIME_SCALE)
         )
-        total += saturated_output_tokens_per_s(params) / MEAN_ANSWER
-    return total
+        / MEAN_ANSWER
+        for p in PRESETS
+    )
 
 
 async def _ask(session: aiohttp.ClientSession, url: str, out: Outcome, body: bytes) -> None:

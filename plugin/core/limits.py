@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 KINDS = ("requests", "tokens", "gpu-seconds")  # a limit's kinds, in `Limit.values()` order
-_REQUESTS, _TOKENS, _GPU = 0, 1, 2
+_GPU = 2  # the GPU-seconds' place in a limit's values
 # The response headers `RateLimits.headers` may send (OpenAI's names, GPU-seconds beside them).
 _HEADER_NAMES = tuple(
     tuple(f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset"))
