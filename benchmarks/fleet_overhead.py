@@ -222,7 +222,9 @@ async def shared_scrape_cost(n: int, port: int, redis_port: int) -> float:
                         token_latency_sum=0.02 * seq,
                         token_latency_count=float(seq),
                     )
-                    records[pod.key] = [0.0, *encode_scrape(metrics)]  # just scraped
+                    # What the peer learned of the pod, as its scraper publishes it.
+                    learned = (rng.uniform(1000.0, 3000.0), True, 64, "learned")
+                    records[pod.key] = [0.0, *encode_scrape(metrics, learned)]  # just scraped
             blob = orjson.dumps({"seq": seq, "pods": records})
             pipe.set(scrapes_key(peer), blob, px=60_000)
         await pipe.execute()
@@ -247,6 +249,9 @@ async def shared_scrape_cost(n: int, port: int, redis_port: int) -> float:
         learned = sum(1 for p in pods if shares.mine(p.key) and pool.capacity(p.key) is not None)
         if learned < shares.scraped:  # a busy fleet: every engine's counter moves
             raise RuntimeError(f"{shares.scraped - learned} scraped pods learned no capacity")
+        adopted = sum(1 for p in pods if not shares.mine(p.key) and pool.saturation(p.key) == 64)
+        if adopted < shares.from_peers:
+            raise RuntimeError(f"{shares.from_peers - adopted} pods read from peers not adopted")
     finally:
         scraper.close()
         await state.close()

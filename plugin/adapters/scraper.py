@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.engines import histogram_pairs, metric_names, stepwise_counters
 from plugin.adapters.metrics_http import MetricsClient, request_bytes
-from plugin.core.pool import PodPool
+from plugin.core.pool import Learned, PodPool
 from plugin.core.scrape_share import ScrapeShares
 from plugin.core.types import EngineMetrics, Pod
 from plugin.errors import EngineUnreachable, MetricsPageUnusable
@@ -87,18 +87,25 @@ class ScrapeExchange(Protocol):
     ) -> list[tuple[str, float, int, dict[str, Any]]]: ...
 
 
-# A scrape's outcome as the gateways share it: ["ok", stepwise, *the fields below],
-# ["down"] (refused, reset or timed out) or ["unusable", why].
+# A scrape's outcome as the gateways share it: ["ok", stepwise, *the fields below, *what the
+# scraping replica learned of the pod (`plugin.core.pool.Learned`)], ["down"] (refused, reset or
+# timed out) or ["unusable", why]. A record without the learned part (a replica of an earlier
+# release) is learned from here as well.
 _SHARED_FIELDS = tuple(f for f in EngineMetrics._fields if f != "generation_tokens_stepwise")
 OK, DOWN = "ok", "down"
+_PLAIN = 2 + len(_SHARED_FIELDS)  # the length of a record without the learned part
+_CAP_SOURCES = frozenset({"engine", "learned", None})
 
 
 _shared_values = operator.attrgetter(*_SHARED_FIELDS)
 
 
-def encode_scrape(metrics: EngineMetrics) -> list[Any]:
-    """A successful scrape as the gateways share it."""
-    return [OK, metrics.generation_tokens_stepwise, *_shared_values(metrics)]
+def encode_scrape(metrics: EngineMetrics, learned: Learned | None = None) -> list[Any]:
+    """A successful scrape as the gateways share it, with what the replica learned from it."""
+    record = [OK, metrics.generation_tokens_stepwise, *_shared_values(metrics)]
+    if learned is not None:
+        record.extend(learned)
+    return record
 
 
 # Where the stepwise flag sits among EngineMetrics' fields: a record is decoded positionally
@@ -107,14 +114,28 @@ def encode_scrape(metrics: EngineMetrics) -> list[Any]:
 _STEPWISE_AT = EngineMetrics._fields.index("generation_tokens_stepwise")
 
 
-def decode_scrape(values: list[Any]) -> EngineMetrics:
-    """A successful scrape from what `encode_scrape` wrote (after JSON); raises ValueError or
-    TypeError for a record of another shape."""
-    if len(values) != 2 + len(_SHARED_FIELDS):
+def decode_scrape(values: list[Any]) -> tuple[EngineMetrics, Learned | None]:
+    """A successful scrape from what `encode_scrape` wrote (after JSON), and what its replica
+    learned (None in a record without it); raises ValueError or TypeError for a record of
+    another shape."""
+    size = len(values)
+    if size == _PLAIN:
+        learned = None
+    elif size == _PLAIN + 4:
+        estimate, fast, cap, source = values[_PLAIN:]
+        if source not in _CAP_SOURCES:
+            raise ValueError(f"unknown batch cap source {source!r}")
+        learned = (
+            None if estimate is None else float(estimate),
+            bool(fast),
+            None if cap is None else int(cap),
+            source,
+        )
+    else:
         raise ValueError("wrong length")
-    floats: list[Any] = [None if v is None else float(v) for v in values[2:]]
+    floats: list[Any] = [None if v is None else float(v) for v in values[2:_PLAIN]]
     floats.insert(_STEPWISE_AT, bool(values[1]))
-    return EngineMetrics._make(floats)
+    return EngineMetrics._make(floats), learned
 
 
 def _name_pattern(names: Iterable[str]) -> str:
@@ -338,8 +359,12 @@ class MetricsScraper:
             return
         if self._failing.pop(pod.key, None) is not None:
             log.info("metrics scrape of %s recovered", pod.key)
-        self._pool.update_metrics(pod.key, metrics, self._clock())
-        self._made(pod.key, encode_scrape(metrics) if self._outbox is not None else None)
+        pool = self._pool
+        pool.update_metrics(pod.key, metrics, self._clock())
+        if self._outbox is not None:
+            self._made(pod.key, encode_scrape(metrics, pool.learned(pod.key)))
+        else:
+            self._made(pod.key, None)
 
     def _made(self, key: str, record: list[Any] | None) -> None:
         now = self._seen[key] = self._clock()
@@ -463,7 +488,11 @@ class MetricsScraper:
                 return False
             kind = record[1]
             if kind == OK:
-                self._pool.update_metrics(key, decode_scrape(record[1:]), made_at)
+                metrics, learned = decode_scrape(record[1:])
+                if learned is None:
+                    self._pool.update_metrics(key, metrics, made_at)
+                else:
+                    self._pool.adopt_metrics(key, metrics, made_at, learned)
             elif kind == DOWN:
                 self._pool.scrape_failed(key)
             elif kind == UNUSABLE:

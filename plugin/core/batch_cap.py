@@ -84,6 +84,21 @@ class BatchCap:
             return cap
         return cap + max(1, cap // 64)
 
+    def adopt(self, cap: int | None, source: str | None, now: float) -> None:
+        """Take the cap another gateway replica learned from its scrapes of the engine
+        (`value` and `source` there, the pod's declaration aside): `engine`, `learned`, or None
+        (none yet). A learned cap kept at the same value keeps when it was confirmed here, so
+        a replica that takes over the scrapes probes it on the same schedule."""
+        if source == "engine" and cap is not None:
+            self._exported, self._learned = cap, None
+        elif source == "learned" and cap is not None:
+            self._exported = None
+            if self._learned is None or self._learned.value != cap:
+                self._learned = _Cap(cap, now)
+        else:
+            self._exported = self._learned = None
+        self._streak = None
+
     def _read_exported(self, cap: float | None) -> None:
         """Keep the batch cap the engine exports, if it exports one (a finite number >= 1); what
         was learned before it did is dropped. An engine that stops exporting it (a restart with

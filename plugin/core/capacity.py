@@ -304,13 +304,16 @@ class GapWatch(_Usual):
 
 
 class _Track:
-    __slots__ = ("estimate", "fast", "samples", "total")
+    __slots__ = ("adopted", "estimate", "fast", "samples", "total")
 
     def __init__(self) -> None:
         self.total = 0
         self.samples: deque[tuple[float, int]] = deque()
         self.estimate: float | None = None
         self.fast = False
+        # The estimate is another gateway replica's, which scrapes the replica (`adopt`): this
+        # one keeps no window of its own for it until it counts tokens of it again.
+        self.adopted = False
 
 
 class CapacityEstimator:
@@ -337,7 +340,32 @@ class CapacityEstimator:
         track = self._tracks.get(key)
         if track is None:
             track = self._tracks[key] = _Track()
+        elif track.adopted:
+            # Learned here again (this replica took over the scrapes): the window starts now,
+            # from the adopted estimate, not from a count that stood still while adopted.
+            track.adopted = False
+            track.samples.clear()
         track.total += tokens
+
+    def adopt(self, key: str, estimate: float | None, fast: bool) -> None:
+        """Take the estimate another gateway replica learned from its scrapes of the replica
+        (`plugin.adapters.scraper`): the replicas then score it alike, and this one spends
+        nothing learning it. Only a `fast` one, taught by the engine's own counter (the same
+        for every gateway replica); where the gateways' counts teach it, each replica has all of
+        them from the shared counters and learns it itself. None (not learned there yet) keeps
+        this one's estimate."""
+        track = self._tracks.get(key)
+        if track is None:
+            track = self._tracks[key] = _Track()
+        if not fast:
+            if track.adopted:  # the engine stopped exporting its counter: learned here again
+                track.adopted = False
+                track.samples.clear()
+            track.fast = False
+            return
+        track.adopted = track.fast = True
+        if estimate is not None and 0 < estimate < math.inf:
+            track.estimate = estimate
 
     def total(self, key: str) -> int:
         track = self._tracks.get(key)
@@ -384,6 +412,8 @@ class CapacityEstimator:
         slow = (now - self._window_s, 1.0 - math.exp(-dt / self._tau_s))
         fast = (now - self._fast_window_s, 1.0 - math.exp(-dt / self._fast_tau_s))
         for track in self._tracks.values():
+            if track.adopted:
+                continue
             horizon, alpha = fast if track.fast else slow
             samples = track.samples
             samples.append((now, track.total))

@@ -80,6 +80,15 @@ class PodSpeed:
             if factor is not None:
                 self._changed(capacity, key, factor, watch)  # routing sees it as the tick ends
 
+    def adopt(self, metrics: EngineMetrics) -> None:
+        """Another gateway replica scrapes the engine and learns its capacity
+        (`CapacityEstimator.adopt`): keep its counter as read there, so that the token source
+        is the same everywhere and a replica that takes over the scrapes credits the tokens
+        generated since (its scrape watch starts afresh)."""
+        total = metrics.generation_tokens
+        self.engine_tokens = total if total is not None and 0 <= total < math.inf else None
+        self._scrapes = None
+
     def read_gap(
         self,
         capacity: CapacityEstimator,

@@ -33,7 +33,11 @@ from plugin.core.types import Candidate, EngineMetrics, Pod
 from plugin.core.view import CandidateView
 from plugin.errors import NoReadyPod, UnknownModel
 
-__all__ = ["EjectionPolicy", "Lease", "PodPool"]
+__all__ = ["EjectionPolicy", "Learned", "Lease", "PodPool"]
+
+# What one replica learned of a pod from scraping it, for the others (`PodPool.learned`):
+# (capacity estimate, short window, batch cap, where the cap comes from).
+Learned = tuple[float | None, bool, int | None, str | None]
 
 
 class PodPool:
@@ -379,6 +383,36 @@ class PodPool:
         assert record.slot is not None  # every listed pod has one
         state, order = record.slot
         state.show_scrape(order, scraped, record.cap.full_at(declared))
+
+    def learned(self, key: str) -> Learned:
+        """What this replica learned of the pod from its scrapes, for the replicas that adopt
+        it (`adopt_metrics`): its capacity estimate and whether its window is the short one, its
+        batch cap and where that comes from (the pod's declaration left out: each replica has
+        it)."""
+        record = self._listed(key)
+        if record is None:
+            return None, False, None, None
+        capacity = self._capacity
+        cap = record.cap
+        return capacity.estimate(key), capacity.is_fast(key), cap.value(None), cap.source(None)
+
+    def adopt_metrics(self, key: str, metrics: EngineMetrics, now: float, learned: Learned) -> None:
+        """Another replica's scrape of the pod, with what it learned from it (`learned`):
+        taken as it is, where `update_metrics` would learn it again here. The replicas sharing
+        the scrapes then see the same capacity and batch cap, and a replica spends on each pod
+        it does not scrape about a third of what learning it cost (`docs/plugin-cost.md`)."""
+        record = self._listed(key)
+        if record is None:
+            return
+        record.answered(None)
+        scraped = record.scraped = Scraped(metrics, now, now + self._metrics_max_age_s)
+        estimate, fast, cap, cap_source = learned
+        record.speed.adopt(metrics)
+        self._capacity.adopt(key, estimate, fast)
+        record.cap.adopt(cap, cap_source, now)
+        assert record.slot is not None  # every listed pod has one
+        state, order = record.slot
+        state.show_scrape(order, scraped, record.cap.full_at(self._pods[key].max_num_seqs))
 
     def stream_started(self, key: str, prompt_tokens: int = 0) -> None:
         """One of this gateway's responses from the pod sent its first chunk (its prompt of

@@ -42,12 +42,16 @@ class Engine:
     number: int
     hits: int = 0
     pod: Pod | None = None
+    generated: float | None = None  # its generated-token counter, once it exports one
 
     def page(self) -> str:
+        counter = ""
+        if self.generated is not None:
+            counter = f'vllm:generation_tokens_total{{model_name="m"}} {self.generated}\n'
         return (
             f'vllm:num_requests_running{{model_name="m"}} {self.number}\n'
             'vllm:num_requests_waiting{model_name="m"} 0\n'
-            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n' + counter
         )
 
 
@@ -106,7 +110,7 @@ async def engines(serve_app: ServeApp) -> list[Engine]:
     return made
 
 
-ReplicaFactory = Callable[[str], Replica]
+ReplicaFactory = Callable[..., Replica]
 
 
 @pytest_asyncio.fixture
@@ -115,8 +119,9 @@ async def replicas(
 ) -> AsyncIterator[ReplicaFactory]:
     made: list[Replica] = []
 
-    def make(name: str) -> Replica:
-        pool = PodPool(CapacityEstimator(), metrics_max_age_s=3 * PERIOD_S)
+    def make(name: str, fast_window_s: float = 15.0) -> Replica:
+        estimator = CapacityEstimator(fast_window_s=fast_window_s, fast_tau_s=fast_window_s / 3)
+        pool = PodPool(estimator, metrics_max_age_s=3 * PERIOD_S)
         pool.set_pods([e.pod for e in engines if e.pod is not None])
         scraper = MetricsScraper(pool, interval_s=PERIOD_S, timeout_s=PERIOD_S / 2)
         settings = RedisSettings(
@@ -235,3 +240,36 @@ async def test_a_replica_that_stops_cleanly_hands_its_engines_over_at_once(
         "the others to see it gone",
         limit_s=4 * PERIOD_S,
     )
+
+
+async def test_every_replica_scores_an_engine_with_what_its_scraper_learned(
+    replicas: ReplicaFactory, engines: list[Engine]
+) -> None:
+    """The replica that scrapes an engine learns its capacity from the engine's counter; the
+    others take that estimate as it is, so all three score the engine alike (each learning it
+    from the same records would give three slightly different estimates, sampled at their
+    own ticks). A short window, so that estimates settle soon after the counters stop."""
+    window_s = 1.0
+    a, b, c = (replicas(name, fast_window_s=window_s) for name in ("gw-a", "gw-b", "gw-c"))
+    for engine in engines:
+        engine.generated = 0.0
+    for replica in (a, b, c):
+        replica.start()
+    await eventually(
+        lambda: all(len(r.shares.scrapers) == 3 for r in (a, b, c)), "three scrapers seen by all"
+    )
+    for _ in range(int(2.0 / 0.05)):  # each engine generates (its number + 1) x 500 tokens/s
+        await asyncio.sleep(0.05)
+        for engine in engines:
+            engine.generated = (engine.generated or 0.0) + (engine.number + 1) * 500 * 0.05
+    keys = [e.pod.key for e in engines if e.pod is not None]
+
+    def alike() -> bool:
+        estimates = [[r.pool.capacity(k) for r in (a, b, c)] for k in keys]
+        return all(None not in row and len(set(row)) == 1 for row in estimates)
+
+    await eventually(alike, "the same estimate of every engine on all three", limit_s=8.0)
+    for engine in engines:  # learned where it is scraped: about its rate
+        capacity = a.pool.capacity(engine.pod.key) if engine.pod else None
+        assert capacity is not None and capacity > 0
+    assert all(r.pool.token_source(k) == "engine" for r in (a, b, c) for k in keys)

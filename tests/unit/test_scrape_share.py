@@ -82,11 +82,26 @@ def test_a_shared_scrape_reads_back_field_for_field(stepwise: bool) -> None:
     values["cpu_kv_usage"] = None
     values["running"] = 7  # an int, as JSON may carry it
     metrics = EngineMetrics(**values, generation_tokens_stepwise=stepwise)  # type: ignore[arg-type]
-    record = orjson.loads(orjson.dumps(encode_scrape(metrics)))
-    decoded = decode_scrape(record)
+    learned = (1234.5, True, 48, "learned")
+    record = orjson.loads(orjson.dumps(encode_scrape(metrics, learned)))
+    decoded, read = decode_scrape(record)
     assert decoded == metrics
+    assert read == learned
     assert isinstance(decoded.running, float)
     with pytest.raises(ValueError):
         decode_scrape(record[:-1])
     with pytest.raises((TypeError, ValueError)):
         decode_scrape([*record[:2], "x", *record[3:]])
+    with pytest.raises(ValueError):  # a cap from nowhere this release knows
+        decode_scrape([*record[:-1], "guessed"])
+
+
+def test_a_record_without_what_its_replica_learned_is_learned_here() -> None:
+    """An earlier release publishes the scrape alone: read, with nothing to adopt."""
+    metrics = EngineMetrics(running=3.0, waiting=0.0, generation_tokens=10.0)
+    plain = orjson.loads(orjson.dumps(encode_scrape(metrics)))
+    decoded, learned = decode_scrape(plain)
+    assert decoded == metrics
+    assert learned is None
+    nothing_yet = orjson.loads(orjson.dumps(encode_scrape(metrics, (None, False, None, None))))
+    assert decode_scrape(nothing_yet) == (metrics, (None, False, None, None))

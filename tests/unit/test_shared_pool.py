@@ -178,3 +178,66 @@ def test_a_pod_whose_engine_counts_its_tokens_is_not_shared_through_the_store() 
     pool.apply_shared_tokens({A.key: 300, B.key: 4})  # another gateway's count on A: ignored
     pool.update_metrics(A.key, EngineMetrics(running=1, waiting=0, generation_tokens=560), 1.0)
     assert (estimator.total(A.key), estimator.total(B.key)) == (60, 4)
+
+
+def _counter(tokens: float, running: float = 8.0) -> EngineMetrics:
+    return EngineMetrics(
+        running=running, waiting=0.0, generation_tokens=tokens, generation_tokens_stepwise=True
+    )
+
+
+def test_a_pod_another_replica_scrapes_takes_what_that_replica_learned() -> None:
+    """`adopt_metrics`: the owner's capacity and batch cap, as they are; nothing learned here
+    from the counter (refreshes leave the adopted estimate alone)."""
+    owner, _ = make()
+    for second in range(6):  # the owner learns from its scrapes: 1,000 tokens a second
+        owner.update_metrics(A.key, _counter(1000.0 * second), float(second))
+        owner.refresh_capacity(float(second))
+    learned = owner.learned(A.key)
+    assert learned[0] is not None and 900 < learned[0] < 1100
+    assert learned[1] is True  # the engine's counter: the short window
+    peer, estimator = make()
+    peer.adopt_metrics(A.key, _counter(9000.0), 6.0, (learned[0], True, 40, "learned"))
+    peer.refresh_capacity(7.0)
+    assert peer.capacity(A.key) == learned[0]
+    assert estimator.total(A.key) == 0  # no tokens counted here
+    assert (peer.saturation(A.key), peer.saturation_source(A.key)) == (40, "learned")
+    assert peer.token_source(A.key) == "engine"
+    assert peer.scraped(A.key) is not None
+    peer.adopt_metrics(A.key, _counter(9500.0), 7.0, (2500.0, True, 64, "engine"))
+    peer.refresh_capacity(8.0)
+    assert peer.capacity(A.key) == 2500.0
+    assert (peer.saturation(A.key), peer.saturation_source(A.key)) == (64, "engine")
+    peer.adopt_metrics(A.key, _counter(9600.0), 8.0, (None, True, None, None))
+    assert peer.capacity(A.key) == 2500.0  # nothing learned there yet: keeps its own
+    assert peer.saturation(A.key) is None
+
+
+def test_a_replica_that_takes_the_scrapes_over_learns_on_from_the_adopted_estimate() -> None:
+    """The owner died: the next scrapes are this replica's own. Its window starts then, from
+    the adopted estimate, and the tokens generated since the last adopted read count."""
+    pool, estimator = make()
+    pool.adopt_metrics(A.key, _counter(5000.0), 0.0, (1000.0, True, None, None))
+    pool.refresh_capacity(0.0)
+    for second in range(1, 12):  # scraped here now: 3,000 tokens a second
+        pool.update_metrics(A.key, _counter(5000.0 + 3000.0 * second), float(second))
+        pool.refresh_capacity(float(second))
+    assert estimator.total(A.key) == 33000  # from the adopted read on, none lost
+    capacity = pool.capacity(A.key)
+    assert capacity is not None and 2500 < capacity <= 3000  # followed from 1,000 to 3,000
+
+
+def test_a_capacity_the_gateways_counts_teach_is_learned_by_each_replica() -> None:
+    """An engine without a token counter: every replica has all the tokens from the shared
+    counters, so none adopts the owner's estimate (it would be its own a sync later)."""
+    pool, estimator = make()
+    no_counter = EngineMetrics(running=4.0, waiting=0.0)
+    pool.adopt_metrics(A.key, no_counter, 0.0, (1000.0, False, None, None))
+    assert pool.capacity(A.key) is None
+    pool.credit_tokens(A.key, 600)
+    pool.refresh_capacity(0.0)
+    pool.credit_tokens(A.key, 600)
+    pool.refresh_capacity(1.0)
+    assert estimator.total(A.key) == 1200
+    assert pool.capacity(A.key) == 600.0
+    assert pool.token_source(A.key) == "gateway"
