@@ -480,7 +480,8 @@ class MetricsScraper:
 
     def _apply(self, key: str, record: Any, written_at: float) -> bool:
         """Another replica's scrape of a pod, made `record[0]` s before `written_at`; applied
-        when newer than what this replica knows of the pod. A record of another shape is
+        when newer than what this replica knows of the pod, with what that replica learned of
+        the pod adopted as it is (`PodPool.adopt_metrics`). A record of another shape is
         skipped."""
         try:
             made_at = written_at - float(record[0])
