@@ -401,6 +401,11 @@ class CapacityEstimator:
         if track.samples:
             track.samples = deque([track.samples[-1]])
 
+    def is_adopted(self, key: str) -> bool:
+        """The estimate is another gateway replica's (`adopt`), not learned here."""
+        track = self._tracks.get(key)
+        return track is not None and track.adopted
+
     def is_fast(self, key: str) -> bool:
         track = self._tracks.get(key)
         return track is not None and track.fast

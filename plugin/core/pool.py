@@ -614,5 +614,8 @@ class PodPool:
             )
             for key, pod in sorted(self._pods.items())
         }
+        for key, described in pods.items():
+            # The replica that scrapes the pod learned its capacity and batch cap.
+            described["learned_by_scraping_replica"] = self._capacity.is_adopted(key)
         orphans = {k: r.inflight for k, r in self._records.items() if not r.listed and r.inflight}
         return {"pods": pods, "inflight_removed_pods": orphans}

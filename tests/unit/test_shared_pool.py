@@ -204,6 +204,10 @@ def test_a_pod_another_replica_scrapes_takes_what_that_replica_learned() -> None
     assert (peer.saturation(A.key), peer.saturation_source(A.key)) == (40, "learned")
     assert peer.token_source(A.key) == "engine"
     assert peer.scraped(A.key) is not None
+    described = peer.snapshot(7.0)["pods"]
+    assert described[A.key]["learned_by_scraping_replica"] is True
+    assert described[B.key]["learned_by_scraping_replica"] is False
+    assert owner.snapshot(7.0)["pods"][A.key]["learned_by_scraping_replica"] is False
     peer.adopt_metrics(A.key, _counter(9500.0), 7.0, (2500.0, True, 64, "engine"))
     peer.refresh_capacity(8.0)
     assert peer.capacity(A.key) == 2500.0
@@ -223,6 +227,7 @@ def test_a_replica_that_takes_the_scrapes_over_learns_on_from_the_adopted_estima
         pool.update_metrics(A.key, _counter(5000.0 + 3000.0 * second), float(second))
         pool.refresh_capacity(float(second))
     assert estimator.total(A.key) == 33000  # from the adopted read on, none lost
+    assert pool.snapshot(11.0)["pods"][A.key]["learned_by_scraping_replica"] is False
     capacity = pool.capacity(A.key)
     assert capacity is not None and 2500 < capacity <= 3000  # followed from 1,000 to 3,000
 
