@@ -215,11 +215,13 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         if not fields:
             raise ValueError(f"a sample without a value: {name}{labels}{rest}")
         value = float(fields[0])
-        # A garbled label set fails the page.
-        engine = _engine(name + labels) if labels else ()
-        if value != value or (value < 1 and name in _MAX_BATCH):  # NaN: skipped
+        # A garbled label set fails the page (`_engine`, for a label set not seen before).
+        engine = _ENGINES.get(name + labels) if labels else ()
+        if engine is None:
+            engine = _engine(name + labels)
+        if value != value or (value < 1 and name in _MAX_BATCH_NAMES):  # NaN: skipped
             continue
-        if name in _GENERATED:
+        if name in _GENERATED_NAMES:
             per_engine = generated.setdefault(name, {})
             per_engine[engine] = max(value, per_engine.get(engine, value))
         else:
@@ -228,43 +230,66 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         found[name] = list(per_engine.values())
     if not found:
         return _NOTHING
-    queue_sum, queue_count = _pair(found, _QUEUE_SUM, _QUEUE_COUNT)
-    latency_sum, latency_count = _pair(found, _ITL_SUM, _ITL_COUNT)
-    generated_by = next((n for n in _GENERATED if n in found), None)
+    names = tuple(found)
+    pick = _PICKS.get(names)
+    if pick is None:
+        pick = _pick(names)
+    running, waiting, kv, cpu_kv, tokens, stepwise, batch, q_sum, q_count, l_sum, l_count = pick
     return EngineMetrics(
-        running=_first(found, _RUNNING),
-        waiting=_first(found, _WAITING),
-        kv_usage=_first(found, _KV, mean=True),
-        cpu_kv_usage=_first(found, _CPU_KV, mean=True),
-        generation_tokens=_first(found, _GENERATED),
-        max_batch=_first(found, _MAX_BATCH),
-        generation_tokens_stepwise=generated_by in _STEPWISE,
-        queue_time_sum=queue_sum,
-        queue_time_count=queue_count,
-        token_latency_sum=latency_sum,
-        token_latency_count=latency_count,
+        None if running is None else sum(found[running]),
+        None if waiting is None else sum(found[waiting]),
+        None if kv is None else sum(found[kv]) / len(found[kv]),
+        None if cpu_kv is None else sum(found[cpu_kv]) / len(found[cpu_kv]),
+        None if tokens is None else sum(found[tokens]),
+        stepwise,
+        None if batch is None else sum(found[batch]),
+        None if q_sum is None else sum(found[q_sum]),
+        None if q_count is None else sum(found[q_count]),
+        None if l_sum is None else sum(found[l_sum]),
+        None if l_count is None else sum(found[l_count]),
     )
 
 
-def _first(
-    found: dict[str, list[float]], names: tuple[str, ...], mean: bool = False
-) -> float | None:
-    """The first of these samples on the page, summed (or averaged) over its label sets."""
-    for name in names:
-        values = found.get(name)
-        if values:
-            return sum(values) / len(values) if mean else sum(values)
-    return None
+# The samples a page's fields are read from, per set of names found on it (in the order of
+# EngineMetrics' fields): a page shows the same names scrape after scrape, so which of the
+# engines' names each field takes is worked out once, not on every page (`_pick`).
+_PICKS: dict[tuple[str, ...], tuple[Any, ...]] = {}
+_GENERATED_NAMES = frozenset(_GENERATED)
+_MAX_BATCH_NAMES = frozenset(_MAX_BATCH)
+MAX_PICKS = 1024
 
 
-def _pair(
-    found: dict[str, list[float]], sums: tuple[str, ...], counts: tuple[str, ...]
-) -> tuple[float | None, float | None]:
-    """A histogram's sum and count, both from the first family that has both."""
-    for total, count in zip(sums, counts, strict=True):
-        if total in found and count in found:
-            return sum(found[total]), sum(found[count])
-    return None, None
+def _pick(names: tuple[str, ...]) -> tuple[Any, ...]:
+    """For a page on which these sample names were found: each field's sample (the first of
+    its names found; a histogram's sum and count from the first family with both), at the
+    positions of `EngineMetrics`' fields, the stepwise flag at its place."""
+    present = set(names)
+
+    def first(candidates: tuple[str, ...]) -> str | None:
+        return next((n for n in candidates if n in present), None)
+
+    def pair(sums: tuple[str, ...], counts: tuple[str, ...]) -> tuple[str | None, str | None]:
+        for total, count in zip(sums, counts, strict=True):
+            if total in present and count in present:
+                return total, count
+        return None, None
+
+    tokens = first(_GENERATED)
+    pick = (
+        first(_RUNNING),
+        first(_WAITING),
+        first(_KV),
+        first(_CPU_KV),
+        tokens,
+        tokens in _STEPWISE,
+        first(_MAX_BATCH),
+        *pair(_QUEUE_SUM, _QUEUE_COUNT),
+        *pair(_ITL_SUM, _ITL_COUNT),
+    )
+    if len(_PICKS) >= MAX_PICKS:
+        _PICKS.clear()
+    _PICKS[names] = pick
+    return pick
 
 
 class MetricsScraper:

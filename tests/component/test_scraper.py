@@ -1000,3 +1000,17 @@ def test_a_series_seen_before_is_read_with_its_new_value() -> None:
     first = parse_engine_metrics('vllm:num_requests_running{model_name="m"} 3\n')
     second = parse_engine_metrics('vllm:num_requests_running{model_name="m"} 7\n')
     assert (first.running, second.running) == (3.0, 7.0)
+
+
+def test_pages_of_other_engines_in_turn_each_read_by_their_own_names() -> None:
+    """Which sample each field takes is worked out once per set of names found: pages of
+    another engine, or one whose NaN sample drops a name, must not read another page's."""
+    vllm, sglang = parse_engine_metrics(VLLM_TEXT), parse_engine_metrics(SGLANG_TEXT)
+    nan_kv = 'vllm:num_requests_running{model_name="m"} 4\nvllm:gpu_cache_usage_perc{a="b"} NaN\n'
+    for _ in range(3):
+        assert parse_engine_metrics(VLLM_TEXT) == vllm
+        assert parse_engine_metrics(SGLANG_TEXT) == sglang
+        read = parse_engine_metrics(nan_kv)
+        assert (read.running, read.kv_usage) == (4.0, None)
+    assert (sglang.running, sglang.waiting, sglang.kv_usage) == (3.0, 1.0, 0.8)
+    assert vllm.running is not None and vllm != sglang
