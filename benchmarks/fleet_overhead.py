@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import shutil
 import subprocess
@@ -336,10 +337,17 @@ async def measure(sizes: list[int], metrics_ports: tuple[int, int], redis_port: 
     await asyncio.sleep(1.5)  # the metrics servers and redis-server start
     rows = []
     for n in sizes:
+        # Each measurement from a collected heap: the garbage of the one before (thousands of
+        # pools' and connections' objects) is not this one's to collect.
+        gc.collect()
         scrape_ms, scrape_wall_ms = await scrape_cost(n, metrics_ports[0])
+        gc.collect()
         whole_ms, _ = await scrape_cost(n, metrics_ports[1])
+        gc.collect()
         shared_ms = await shared_scrape_cost(n, metrics_ports[0], redis_port)
+        gc.collect()
         added_us, modified_us = discovery_cost(n)
+        gc.collect()
         sync_ms = await redis_cost(n, redis_port)
         rows.append(
             (n, scrape_ms, scrape_wall_ms, whole_ms, shared_ms, added_us, modified_us, sync_ms)
