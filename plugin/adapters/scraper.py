@@ -125,12 +125,10 @@ def decode_scrape(values: list[Any]) -> tuple[EngineMetrics, Learned | None]:
         estimate, fast, cap, source = values[_PLAIN:]
         if source not in _CAP_SOURCES:
             raise ValueError(f"unknown batch cap source {source!r}")
-        learned = (
-            None if estimate is None else float(estimate),
-            bool(fast),
-            None if cap is None else int(cap),
-            source,
-        )
+        batch = None if cap is None else int(cap)
+        if batch is not None and batch < 1:  # a cap of none would fence the engine off
+            raise ValueError(f"batch cap {cap!r}")
+        learned = (None if estimate is None else float(estimate), bool(fast), batch, source)
     else:
         raise ValueError("wrong length")
     floats: list[Any] = [None if v is None else float(v) for v in values[2:_PLAIN]]
@@ -525,7 +523,7 @@ class MetricsScraper:
                 self._pool.scrape_unusable(key, str(record[2]))
             else:
                 return False
-        except (IndexError, TypeError, ValueError):
+        except (IndexError, TypeError, ValueError, OverflowError):
             return False
         self._seen[key] = made_at
         return True

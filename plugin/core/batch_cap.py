@@ -87,17 +87,19 @@ class BatchCap:
     def adopt(self, cap: int | None, source: str | None, now: float) -> None:
         """Take the cap another gateway replica learned from its scrapes of the engine
         (`value` and `source` there, the pod's declaration aside): `engine`, `learned`, or None
-        (none yet). A learned cap kept at the same value keeps when it was confirmed here, so
-        a replica that takes over the scrapes probes it on the same schedule."""
+        (none yet). Taken as confirmed now, and as the most the engine was seen running: a
+        replica that takes the scrapes over neither probes it at once nor learns a lower one
+        from a queue below it."""
         if source == "engine" and cap is not None:
             self._exported, self._learned = cap, None
         elif source == "learned" and cap is not None:
-            self._exported = None
-            if self._learned is None or self._learned.value != cap:
-                self._learned = _Cap(cap, now)
+            self._exported, self._learned = None, _Cap(cap, now)
         else:
             self._exported = self._learned = None
+        if cap is not None:
+            self._peak = max(self._peak, float(cap))
         self._streak = None
+        self._clock = None  # queue times are read afresh from the next own scrape
 
     def _read_exported(self, cap: float | None) -> None:
         """Keep the batch cap the engine exports, if it exports one (a finite number >= 1); what

@@ -397,6 +397,8 @@ class CapacityEstimator:
         track = self._tracks.get(key)
         if track is None or track.estimate is None or not 0 < factor < math.inf:
             return
+        if track.adopted:  # the replica that scrapes it rescales it, for every replica
+            return
         track.estimate *= factor
         if track.samples:
             track.samples = deque([track.samples[-1]])

@@ -80,12 +80,12 @@ class PodSpeed:
             if factor is not None:
                 self._changed(capacity, key, factor, watch)  # routing sees it as the tick ends
 
-    def adopt(self, metrics: EngineMetrics) -> None:
-        """Another gateway replica scrapes the engine and learns its capacity
-        (`CapacityEstimator.adopt`): keep its counter as read there, so that the token source
-        is the same everywhere and a replica that takes over the scrapes credits the tokens
-        generated since (its scrape watch starts afresh)."""
-        total = metrics.generation_tokens
+    def adopt(self, metrics: EngineMetrics | None) -> None:
+        """Another gateway replica scrapes the engine and learns its capacity from the counter
+        in `metrics` (`CapacityEstimator.adopt`; None: not from a counter): keep the counter as
+        read there, so that the token source is the same everywhere and a replica that takes
+        over the scrapes credits the tokens generated since (its scrape watch starts afresh)."""
+        total = None if metrics is None else metrics.generation_tokens
         self.engine_tokens = total if total is not None and 0 <= total < math.inf else None
         self._scrapes = None
 
@@ -121,7 +121,10 @@ class PodSpeed:
         self, capacity: CapacityEstimator, key: str, factor: float, seen_by: SpeedWatch | GapWatch
     ) -> None:
         """`seen_by` saw the pod's speed change by `factor`: rescale its estimate once, and the
-        pod's other watch takes the new speed as its usual (`rebase`)."""
+        pod's other watch takes the new speed as its usual (`rebase`). Not where another
+        gateway replica scrapes the pod: it rescales the estimate, for every replica."""
+        if capacity.is_adopted(key):
+            return
         capacity.rescale(key, factor)
         self.rescaled += 1
         if isinstance(seen_by, GapWatch):

@@ -407,7 +407,9 @@ class PodPool:
         record.answered(None)
         scraped = record.scraped = Scraped(metrics, now, now + self._metrics_max_age_s)
         estimate, fast, cap, cap_source = learned
-        record.speed.adopt(metrics)
+        # Not fast: the gateways' counts teach the capacity, here as there (a counter in the
+        # metrics notwithstanding: its capacity is not adopted, so its counts must go on).
+        record.speed.adopt(metrics if fast else None)
         self._capacity.adopt(key, estimate, fast)
         record.cap.adopt(cap, cap_source, now)
         assert record.slot is not None  # every listed pod has one

@@ -94,6 +94,8 @@ def test_a_shared_scrape_reads_back_field_for_field(stepwise: bool) -> None:
         decode_scrape([*record[:2], "x", *record[3:]])
     with pytest.raises(ValueError):  # a cap from nowhere this release knows
         decode_scrape([*record[:-1], "guessed"])
+    with pytest.raises(ValueError):  # a cap of no request would fence the engine off
+        decode_scrape([*record[:-2], 0, "learned"])
 
 
 def test_a_record_without_what_its_replica_learned_is_learned_here() -> None:

@@ -246,3 +246,29 @@ def test_a_capacity_the_gateways_counts_teach_is_learned_by_each_replica() -> No
     assert estimator.total(A.key) == 1200
     assert pool.capacity(A.key) == 600.0
     assert pool.token_source(A.key) == "gateway"
+
+
+def test_a_replica_that_takes_a_learned_cap_over_keeps_it_against_a_lower_queue() -> None:
+    """The adopted cap counts as the engine's peak: a queue at a lower running count after a
+    take-over is no new cap (the scraping replica, which saw the peak, would learn none)."""
+    pool, _ = make()
+    pool.adopt_metrics(A.key, _counter(100.0, running=64.0), 0.0, (1000.0, True, 64, "learned"))
+    for second in range(1, 8):  # scraped here now: a queue at 30 running, scrape after scrape
+        queued = EngineMetrics(running=30.0, waiting=5.0, generation_tokens=100.0 + second)
+        pool.update_metrics(A.key, queued, float(second))
+    assert (pool.saturation(A.key), pool.saturation_source(A.key)) == (64, "learned")
+
+
+def test_an_adopted_estimate_is_not_rescaled_here_and_a_record_without_a_counter_adopts_none() -> (
+    None
+):
+    """A speed change the chunk gaps show here is the scraping replica's to act on; a record
+    that says its capacity is not from a counter leaves the tokens to the gateways' counts."""
+    pool, estimator = make()
+    pool.adopt_metrics(A.key, _counter(100.0), 0.0, (1000.0, True, None, None))
+    estimator.rescale(A.key, 0.5)
+    assert pool.capacity(A.key) == 1000.0
+    pool.adopt_metrics(B.key, _counter(100.0), 0.0, (1000.0, False, None, None))
+    assert pool.token_source(B.key) == "gateway"
+    pool.credit_tokens(B.key, 300)
+    assert estimator.total(B.key) == 300
