@@ -125,10 +125,12 @@ def decode_scrape(values: list[Any]) -> tuple[EngineMetrics, Learned | None]:
         estimate, fast, cap, source = values[_PLAIN:]
         if source not in _CAP_SOURCES:
             raise ValueError(f"unknown batch cap source {source!r}")
+        if not isinstance(fast, bool):
+            raise TypeError(f"short window {fast!r}")
         batch = None if cap is None else int(cap)
         if batch is not None and batch < 1:  # a cap of none would fence the engine off
             raise ValueError(f"batch cap {cap!r}")
-        learned = (None if estimate is None else float(estimate), bool(fast), batch, source)
+        learned = (None if estimate is None else float(estimate), fast, batch, source)
     else:
         raise ValueError("wrong length")
     floats: list[Any] = [None if v is None else float(v) for v in values[2:_PLAIN]]
@@ -504,7 +506,7 @@ class MetricsScraper:
     def _apply(self, key: str, record: Any, written_at: float) -> bool:
         """Another replica's scrape of a pod, made `record[0]` s before `written_at`; applied
         when newer than what this replica knows of the pod, with what that replica learned of
-        the pod adopted as it is (`PodPool.adopt_metrics`). A record of another shape is
+        the pod taken as it is (`PodPool.update_metrics`). A record of another shape is
         skipped."""
         try:
             made_at = written_at - float(record[0])
@@ -513,10 +515,7 @@ class MetricsScraper:
             kind = record[1]
             if kind == OK:
                 metrics, learned = decode_scrape(record[1:])
-                if learned is None:
-                    self._pool.update_metrics(key, metrics, made_at)
-                else:
-                    self._pool.adopt_metrics(key, metrics, made_at, learned)
+                self._pool.update_metrics(key, metrics, made_at, learned)
             elif kind == DOWN:
                 self._pool.scrape_failed(key)
             elif kind == UNUSABLE:

@@ -316,6 +316,13 @@ class _Track:
         self.adopted = False
 
 
+def _learn_here(track: _Track) -> None:
+    """An adopted estimate is learned here again: the window starts now, from the adopted
+    estimate, not from a count that stood still while adopted."""
+    track.adopted = False
+    track.samples.clear()
+
+
 class CapacityEstimator:
     __slots__ = ("_fast_tau_s", "_fast_window_s", "_last_refresh", "_tau_s", "_tracks", "_window_s")
 
@@ -340,11 +347,8 @@ class CapacityEstimator:
         track = self._tracks.get(key)
         if track is None:
             track = self._tracks[key] = _Track()
-        elif track.adopted:
-            # Learned here again (this replica took over the scrapes): the window starts now,
-            # from the adopted estimate, not from a count that stood still while adopted.
-            track.adopted = False
-            track.samples.clear()
+        elif track.adopted:  # this replica took over the scrapes
+            _learn_here(track)
         track.total += tokens
 
     def adopt(self, key: str, estimate: float | None, fast: bool) -> None:
@@ -358,9 +362,8 @@ class CapacityEstimator:
         if track is None:
             track = self._tracks[key] = _Track()
         if not fast:
-            if track.adopted:  # the engine stopped exporting its counter: learned here again
-                track.adopted = False
-                track.samples.clear()
+            if track.adopted:  # the engine stopped exporting its counter
+                _learn_here(track)
             track.fast = False
             return
         track.adopted = track.fast = True
@@ -396,8 +399,6 @@ class CapacityEstimator:
         afresh so tokens from before the change do not pull the estimate back."""
         track = self._tracks.get(key)
         if track is None or track.estimate is None or not 0 < factor < math.inf:
-            return
-        if track.adopted:  # the replica that scrapes it rescales it, for every replica
             return
         track.estimate *= factor
         if track.samples:

@@ -370,51 +370,46 @@ class PodPool:
             record.answered(why)
 
     # background ------------------------------------------------------------------------------
-    def update_metrics(self, key: str, metrics: EngineMetrics, now: float) -> None:
+    def update_metrics(
+        self, key: str, metrics: EngineMetrics, now: float, learned: Learned | None = None
+    ) -> None:
+        """A scrape of the pod, made at `now`: its capacity and batch cap are learned from it,
+        or, with `learned` (what the replica that scraped it learned, `learned`), taken as they
+        are. Taken, the replicas sharing the scrapes see the same capacity and cap, and a
+        replica spends on each pod it does not scrape about half of what learning it cost
+        (`docs/plugin-cost.md`)."""
         record = self._listed(key)
         if record is None:
             return
         record.answered(None)
         scraped = record.scraped = Scraped(metrics, now, now + self._metrics_max_age_s)
-        record.speed.read_generated(self._capacity, key, metrics, now)
         declared = self._pods[key].max_num_seqs
-        on_pod = record.inflight + self._remote.get(key, 0)
-        record.cap.read(metrics, now, declared, on_pod, self._caps)
+        if learned is None:
+            record.speed.read_generated(self._capacity, key, metrics, now)
+            on_pod = record.inflight + self._remote.get(key, 0)
+            record.cap.read(metrics, now, declared, on_pod, self._caps)
+        else:
+            estimate, fast, cap, cap_source = learned
+            # Not fast: the gateways' counts teach the capacity, here as there (a counter in
+            # the metrics notwithstanding: its capacity is not adopted, so its counts go on).
+            record.speed.adopt(metrics if fast else None)
+            self._capacity.adopt(key, estimate, fast)
+            record.cap.adopt(cap, cap_source, now)
         assert record.slot is not None  # every listed pod has one
         state, order = record.slot
         state.show_scrape(order, scraped, record.cap.full_at(declared))
 
     def learned(self, key: str) -> Learned:
-        """What this replica learned of the pod from its scrapes, for the replicas that adopt
-        it (`adopt_metrics`): its capacity estimate and whether its window is the short one, its
-        batch cap and where that comes from (the pod's declaration left out: each replica has
-        it)."""
+        """What this replica learned of the pod from its scrapes, for the replicas that take
+        it (`update_metrics`): its capacity estimate and whether its window is the short one,
+        its batch cap and where that comes from (the pod's declaration left out: each replica
+        has it)."""
         record = self._listed(key)
         if record is None:
             return None, False, None, None
         capacity = self._capacity
         cap = record.cap
         return capacity.estimate(key), capacity.is_fast(key), cap.value(None), cap.source(None)
-
-    def adopt_metrics(self, key: str, metrics: EngineMetrics, now: float, learned: Learned) -> None:
-        """Another replica's scrape of the pod, with what it learned from it (`learned`):
-        taken as it is, where `update_metrics` would learn it again here. The replicas sharing
-        the scrapes then see the same capacity and batch cap, and a replica spends on each pod
-        it does not scrape about a third of what learning it cost (`docs/plugin-cost.md`)."""
-        record = self._listed(key)
-        if record is None:
-            return
-        record.answered(None)
-        scraped = record.scraped = Scraped(metrics, now, now + self._metrics_max_age_s)
-        estimate, fast, cap, cap_source = learned
-        # Not fast: the gateways' counts teach the capacity, here as there (a counter in the
-        # metrics notwithstanding: its capacity is not adopted, so its counts must go on).
-        record.speed.adopt(metrics if fast else None)
-        self._capacity.adopt(key, estimate, fast)
-        record.cap.adopt(cap, cap_source, now)
-        assert record.slot is not None  # every listed pod has one
-        state, order = record.slot
-        state.show_scrape(order, scraped, record.cap.full_at(self._pods[key].max_num_seqs))
 
     def stream_started(self, key: str, prompt_tokens: int = 0) -> None:
         """One of this gateway's responses from the pod sent its first chunk (its prompt of

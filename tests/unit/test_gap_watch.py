@@ -320,6 +320,17 @@ def _gaps(pool: PodPool) -> GapWatch:
     return gaps
 
 
+def _slow_to_a_third(pool: PodPool) -> None:
+    """The 20 streams start, then their chunks come 0.03 s apart for three time constants,
+    then 0.09 s apart: a slowdown the chunk-gap watch acts on."""
+    for _ in range(20):
+        pool.stream_started(POD.key, PROMPT)
+    for _ in range(int(3 * SHIFT_TAU_S / 0.03) * 20):
+        pool.observe_chunk_gap(POD.key, 0.03)
+    for _ in range(GAP_ROUNDS * 20):
+        pool.observe_chunk_gap(POD.key, 0.09)
+
+
 def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out() -> None:
     pool = _pool_with_streams(20)
     est = pool._capacity  # the estimate the candidates carry
@@ -335,18 +346,26 @@ def test_the_pool_rescales_at_once_and_keeps_prefills_and_the_scrape_watch_out()
     for _ in range(2000):
         pool.observe_chunk_gap(POD.key, 0.1)
     assert _gaps(pool).gap is None  # no round was read
-    for _ in range(20):
-        pool.stream_started(POD.key, PROMPT)
-    for _ in range(int(3 * SHIFT_TAU_S / 0.03) * 20):
-        pool.observe_chunk_gap(POD.key, 0.03)
-    for _ in range(GAP_ROUNDS * 20):
-        pool.observe_chunk_gap(POD.key, 0.09)
+    _slow_to_a_third(pool)
     after = pool.candidates("m", 10.0)[0].capacity  # no scrape tick in between
     assert after == pytest.approx(before / 3, rel=0.05)
     seen = pool.snapshot(10.0)["pods"][POD.key]
     assert seen["speed_changes"] == seen["speed_changes_from_chunk_gaps"] == 1
     pool.stream_ended(POD.key, PROMPT)
     assert pool.prompt_tokens(POD.key)[1] == 19 * PROMPT
+
+
+def test_a_slowdown_seen_here_leaves_an_estimate_adopted_from_the_scraping_replica() -> None:
+    """Where another gateway replica scrapes the pod, it rescales the estimate for every
+    replica; a change this one's chunk gaps show neither moves the adopted estimate nor counts
+    as acted on."""
+    pool = _pool_with_streams(20)
+    scrape = EngineMetrics(running=20.0, waiting=0.0, generation_tokens=1000.0)
+    pool.update_metrics(POD.key, scrape, 10.0, (6000.0, True, None, None))
+    pool.refresh_capacity(10.0)
+    _slow_to_a_third(pool)
+    assert pool.candidates("m", 10.0)[0].capacity == 6000.0
+    assert pool.snapshot(10.0)["pods"][POD.key]["speed_changes"] == 0
 
 
 def test_prompt_tokens_waiting_come_off_when_a_request_starts_or_ends_without_starting() -> None:

@@ -96,6 +96,8 @@ def test_a_shared_scrape_reads_back_field_for_field(stepwise: bool) -> None:
         decode_scrape([*record[:-1], "guessed"])
     with pytest.raises(ValueError):  # a cap of no request would fence the engine off
         decode_scrape([*record[:-2], 0, "learned"])
+    with pytest.raises(TypeError):  # a short window that is no yes or no
+        decode_scrape([*record[:-3], "false", *record[-2:]])
 
 
 def test_a_record_without_what_its_replica_learned_is_learned_here() -> None:

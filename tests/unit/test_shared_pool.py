@@ -187,8 +187,8 @@ def _counter(tokens: float, running: float = 8.0) -> EngineMetrics:
 
 
 def test_a_pod_another_replica_scrapes_takes_what_that_replica_learned() -> None:
-    """`adopt_metrics`: the owner's capacity and batch cap, as they are; nothing learned here
-    from the counter (refreshes leave the adopted estimate alone)."""
+    """`update_metrics` with what the owner learned: its capacity and batch cap, taken as
+    they are; nothing learned here from the counter (refreshes leave the estimate alone)."""
     owner, _ = make()
     for second in range(6):  # the owner learns from its scrapes: 1,000 tokens a second
         owner.update_metrics(A.key, _counter(1000.0 * second), float(second))
@@ -197,7 +197,7 @@ def test_a_pod_another_replica_scrapes_takes_what_that_replica_learned() -> None
     assert learned[0] is not None and 900 < learned[0] < 1100
     assert learned[1] is True  # the engine's counter: the short window
     peer, estimator = make()
-    peer.adopt_metrics(A.key, _counter(9000.0), 6.0, (learned[0], True, 40, "learned"))
+    peer.update_metrics(A.key, _counter(9000.0), 6.0, (learned[0], True, 40, "learned"))
     peer.refresh_capacity(7.0)
     assert peer.capacity(A.key) == learned[0]
     assert estimator.total(A.key) == 0  # no tokens counted here
@@ -208,11 +208,11 @@ def test_a_pod_another_replica_scrapes_takes_what_that_replica_learned() -> None
     assert described[A.key]["learned_by_scraping_replica"] is True
     assert described[B.key]["learned_by_scraping_replica"] is False
     assert owner.snapshot(7.0)["pods"][A.key]["learned_by_scraping_replica"] is False
-    peer.adopt_metrics(A.key, _counter(9500.0), 7.0, (2500.0, True, 64, "engine"))
+    peer.update_metrics(A.key, _counter(9500.0), 7.0, (2500.0, True, 64, "engine"))
     peer.refresh_capacity(8.0)
     assert peer.capacity(A.key) == 2500.0
     assert (peer.saturation(A.key), peer.saturation_source(A.key)) == (64, "engine")
-    peer.adopt_metrics(A.key, _counter(9600.0), 8.0, (None, True, None, None))
+    peer.update_metrics(A.key, _counter(9600.0), 8.0, (None, True, None, None))
     assert peer.capacity(A.key) == 2500.0  # nothing learned there yet: keeps its own
     assert peer.saturation(A.key) is None
 
@@ -221,7 +221,7 @@ def test_a_replica_that_takes_the_scrapes_over_learns_on_from_the_adopted_estima
     """The owner died: the next scrapes are this replica's own. Its window starts then, from
     the adopted estimate, and the tokens generated since the last adopted read count."""
     pool, estimator = make()
-    pool.adopt_metrics(A.key, _counter(5000.0), 0.0, (1000.0, True, None, None))
+    pool.update_metrics(A.key, _counter(5000.0), 0.0, (1000.0, True, None, None))
     pool.refresh_capacity(0.0)
     for second in range(1, 12):  # scraped here now: 3,000 tokens a second
         pool.update_metrics(A.key, _counter(5000.0 + 3000.0 * second), float(second))
@@ -237,7 +237,7 @@ def test_a_capacity_the_gateways_counts_teach_is_learned_by_each_replica() -> No
     counters, so none adopts the owner's estimate (it would be its own a sync later)."""
     pool, estimator = make()
     no_counter = EngineMetrics(running=4.0, waiting=0.0)
-    pool.adopt_metrics(A.key, no_counter, 0.0, (1000.0, False, None, None))
+    pool.update_metrics(A.key, no_counter, 0.0, (1000.0, False, None, None))
     assert pool.capacity(A.key) is None
     pool.credit_tokens(A.key, 600)
     pool.refresh_capacity(0.0)
@@ -252,23 +252,19 @@ def test_a_replica_that_takes_a_learned_cap_over_keeps_it_against_a_lower_queue(
     """The adopted cap counts as the engine's peak: a queue at a lower running count after a
     take-over is no new cap (the scraping replica, which saw the peak, would learn none)."""
     pool, _ = make()
-    pool.adopt_metrics(A.key, _counter(100.0, running=64.0), 0.0, (1000.0, True, 64, "learned"))
+    pool.update_metrics(A.key, _counter(100.0, running=64.0), 0.0, (1000.0, True, 64, "learned"))
     for second in range(1, 8):  # scraped here now: a queue at 30 running, scrape after scrape
         queued = EngineMetrics(running=30.0, waiting=5.0, generation_tokens=100.0 + second)
         pool.update_metrics(A.key, queued, float(second))
     assert (pool.saturation(A.key), pool.saturation_source(A.key)) == (64, "learned")
 
 
-def test_an_adopted_estimate_is_not_rescaled_here_and_a_record_without_a_counter_adopts_none() -> (
-    None
-):
-    """A speed change the chunk gaps show here is the scraping replica's to act on; a record
-    that says its capacity is not from a counter leaves the tokens to the gateways' counts."""
+def test_a_record_without_a_counter_leaves_the_tokens_to_the_gateways_counts() -> None:
+    """A record that says its capacity is not from a counter (its metrics have one anyway):
+    nothing adopted, and this replica's counts teach the capacity."""
     pool, estimator = make()
-    pool.adopt_metrics(A.key, _counter(100.0), 0.0, (1000.0, True, None, None))
-    estimator.rescale(A.key, 0.5)
-    assert pool.capacity(A.key) == 1000.0
-    pool.adopt_metrics(B.key, _counter(100.0), 0.0, (1000.0, False, None, None))
+    pool.update_metrics(B.key, _counter(100.0), 0.0, (1000.0, False, None, None))
     assert pool.token_source(B.key) == "gateway"
+    assert pool.capacity(B.key) is None
     pool.credit_tokens(B.key, 300)
     assert estimator.total(B.key) == 300
