@@ -40,7 +40,8 @@ def request_bytes(address: str, port: int, target: str) -> bytes:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine, one exchange at a time."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_bytes: int) -> None:
+        self._loop = loop
         self._max_bytes = max_bytes
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
@@ -60,7 +61,7 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes) -> asyncio.Future[tuple[int, str, bytes]]:
         """Send the request; the future holds (status, reason, body)."""
         assert self.transport is not None and self._answer is None
-        self._answer = answer = asyncio.get_running_loop().create_future()
+        self._answer = answer = self._loop.create_future()
         self._reason, self._body, self._size = b"", [], 0
         self._framed, self._encoding, self._status = False, b"", 0
         self.transport.write(request)
@@ -161,6 +162,9 @@ class MetricsClient:
         self._timeout_s = timeout_s
         self._max_bytes = max_bytes
         self._idle: dict[Address, list[_Connection]] = {}
+        # The loop the client runs on, kept: `asyncio.get_running_loop` makes a getpid system
+        # call each time (its check against a fork), twice a scrape before.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def get(self, address: str, port: int, request: bytes) -> tuple[int, str, bytes]:
         """(status, reason, body) of one exchange, within the timeout. A kept connection the
@@ -172,7 +176,9 @@ class MetricsClient:
         was a tenth of a scrape's CPU; a connection still being opened (rare: connections are
         kept) waits under `asyncio.timeout_at` for what is left of the same deadline."""
         where = (address, port)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or not loop.is_running():  # first use, or another loop's client now
+            loop = self._loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         while True:
             reused, connection = self._kept(where)
@@ -212,7 +218,7 @@ class MetricsClient:
         max_bytes = self._max_bytes
         try:
             _, connection = await loop.create_connection(
-                lambda: _Connection(max_bytes), where[0], where[1]
+                lambda: _Connection(loop, max_bytes), where[0], where[1]
             )
         except OSError as exc:  # refused, unreachable, no such host
             raise EngineUnreachable(repr(exc)) from exc
