@@ -84,7 +84,7 @@ class ScrapeExchange(Protocol):
 
     async def exchange_scrapes(
         self, records: Mapping[str, list[Any]]
-    ) -> list[tuple[str, float, int, dict[str, Any]]]: ...
+    ) -> Iterator[tuple[str, float, int, dict[str, Any]]]: ...
 
 
 # A scrape's outcome as the gateways share it: ["ok", stepwise, *the fields below, *what the
@@ -307,7 +307,8 @@ class MetricsScraper:
         # Set: the pods are shared out among the gateway replicas that share this exchange.
         self.exchange = exchange
         self._seen: dict[str, float] = {}  # pod key -> when the latest scrape of it was made
-        self._outbox: dict[str, tuple[float, list[Any]]] | None = None  # this tick's, to share
+        # This tick's scrapes to share: each record led by when the scrape was made.
+        self._outbox: dict[str, list[Any]] | None = None
         self._peer_writes: dict[str, int] = {}  # gateway id -> the write of it last read
         self._last_tick_at: float | None = None  # the start of the previous shared tick
         self._wake = asyncio.Event()
@@ -394,7 +395,8 @@ class MetricsScraper:
     def _made(self, key: str, record: list[Any] | None) -> None:
         now = self._seen[key] = self._clock()
         if self._outbox is not None and record is not None:
-            self._outbox[key] = (now, record)
+            record.insert(0, now)  # made at: its age when shared (`_trade`)
+            self._outbox[key] = record
 
     def _failed(self, pod: Pod, cause: str, why: str) -> None:
         """Count a failed scrape; log the first of a streak of the same cause."""
@@ -482,23 +484,25 @@ class MetricsScraper:
         self, exchange: ScrapeExchange, shares: ScrapeShares, scraped: set[str]
     ) -> None:
         """Publish this tick's scrapes; apply the other replicas' newer ones."""
-        outbox = self._outbox or {}
+        records = self._outbox or {}
         now = self._clock()
-        records = {key: [round(now - at, 3), *record] for key, (at, record) in outbox.items()}
+        for record in records.values():  # in place: no second list per record
+            record[0] = round(now - record[0], 3)
+        peers: Iterable[tuple[str, float, int, dict[str, Any]]]
         try:
             peers = await exchange.exchange_scrapes(records)
         except Exception as exc:  # Redis trouble: the sync loop reports it; pods go stale
             log.debug("exchanging scrapes failed: %r", exc)
-            peers = []
+            peers = ()
         now = self._clock()
         applied = 0
         for gateway, age_s, writes, pods in peers:
-            if self._peer_writes.get(gateway) == writes:
-                continue  # read before
-            self._peer_writes[gateway] = writes
-            for key, record in pods.items():
-                if key not in scraped and self._apply(key, record, now - age_s):
-                    applied += 1
+            if self._peer_writes.get(gateway) != writes:  # else read before
+                self._peer_writes[gateway] = writes
+                for key, record in pods.items():
+                    if key not in scraped and self._apply(key, record, now - age_s):
+                        applied += 1
+            del pods  # one peer's records alive at a time (`RedisState.exchange_scrapes`)
         for gone in self._peer_writes.keys() - set(shares.scrapers):
             del self._peer_writes[gone]
         shares.scraped, shares.from_peers = len(scraped), applied

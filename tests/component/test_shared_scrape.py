@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from redis.asyncio import Redis
 
-from plugin.adapters.redis_state import RedisState
+from plugin.adapters.redis_state import RedisState, scrapes_key
 from plugin.adapters.scraper import MetricsScraper
 from plugin.config import RedisSettings
 from plugin.core.capacity import CapacityEstimator
@@ -278,3 +280,28 @@ async def test_every_replica_scores_an_engine_with_what_its_scraper_learned(
         assert capacity is not None
         assert 0.85 * (engine.number + 1) <= capacity / first <= 1.15 * (engine.number + 1)
     assert all(r.pool.token_source(k) == "engine" for r in (a, b, c) for k in keys)
+
+
+async def test_each_peers_scrapes_are_decoded_only_when_reached(
+    replicas: ReplicaFactory, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica reads the other scrapers' records one peer at a time: the next peer's are
+    decoded once the caller is done with the first (so a tick holds one peer's records, not all
+    of them). Shown with a garbled second peer, whose warning comes only when it is reached."""
+    a, b, c = replicas("gw-a"), replicas("gw-b"), replicas("gw-c")
+    for replica in (a, b, c):
+        assert await replica.state.sync_once()
+    for replica in (b, c):
+        list(await replica.state.exchange_scrapes({"ns/p": [0.0, "down"]}))
+    async with Redis(host=redis_server.host, port=redis_server.port) as redis:
+        await redis.set(scrapes_key("gw-c"), b"{not json", px=5_000)
+    for _ in range(2):  # the first lists the gateways, the second checks their scrapes
+        assert await a.state.sync_once()
+    assert a.shares.scrapers == ("gw-a", "gw-b", "gw-c")
+    caplog.set_level(logging.WARNING, logger="plugin.adapters.redis_state")
+    peers = await a.state.exchange_scrapes({})
+    gateway, _, _, pods = next(peers)
+    assert (gateway, pods) == ("gw-b", {"ns/p": [0.0, "down"]})
+    assert "unreadable scrapes" not in caplog.text  # gw-c's not decoded yet
+    assert list(peers) == []
+    assert "unreadable scrapes of gateway gw-c" in caplog.text
