@@ -165,20 +165,26 @@ class MetricsClient:
         # The loop the client runs on, kept: `asyncio.get_running_loop` makes a getpid system
         # call each time (its check against a fork), twice a scrape before.
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Exchanges in flight and when each times out, and the one timer that times them out
+        # (`_expire`): a timer per exchange (set, then cancelled) cost a tenth of a scrape.
+        self._deadlines: dict[_Connection, float] = {}
+        self._sweep: asyncio.TimerHandle | None = None
 
     async def get(self, address: str, port: int, request: bytes) -> tuple[int, str, bytes]:
         """(status, reason, body) of one exchange, within the timeout. A kept connection the
         engine closed while idle (its keep-alive timeout ran out as the request left) is
         retried once on a new one; a new connection's failure is the engine's.
 
-        The timeout is a timer on the answer (`_Connection.expire`), not `asyncio.timeout`
-        around the exchange: that one's bookkeeping (a context, the task's cancel and uncancel)
-        was a tenth of a scrape's CPU; a connection still being opened (rare: connections are
-        kept) waits under `asyncio.timeout_at` for what is left of the same deadline."""
+        The timeout fails the answer (`_Connection.expire`, from `_expire`), not
+        `asyncio.timeout` around the exchange: that one's bookkeeping (a context, the task's
+        cancel and uncancel) was a tenth of a scrape's CPU; a connection still being opened
+        (rare: connections are kept) waits under `asyncio.timeout_at` for what is left of the
+        same deadline."""
         where = (address, port)
         loop = self._loop
         if loop is None or not loop.is_running():  # first use, or another loop's client now
             loop = self._loop = asyncio.get_running_loop()
+            self._deadlines, self._sweep = {}, None  # a timer of another loop never fires here
         deadline = loop.time() + self._timeout_s
         while True:
             reused, connection = self._kept(where)
@@ -186,7 +192,9 @@ class MetricsClient:
                 async with asyncio.timeout_at(deadline):
                     connection = await self._open(loop, where)
             answer = connection.send(request)
-            timer = loop.call_at(deadline, connection.expire)
+            self._deadlines[connection] = deadline
+            if self._sweep is None:
+                self._sweep = loop.call_at(deadline, self._expire)
             try:
                 result = await answer
             except EngineUnreachable:
@@ -198,12 +206,27 @@ class MetricsClient:
                 connection.abort()
                 raise
             finally:
-                timer.cancel()
+                self._deadlines.pop(connection, None)
             if connection.closed:  # the engine said it closes this one
                 connection.abort()
             else:
                 self._idle.setdefault(where, []).append(connection)
             return result
+
+    def _expire(self) -> None:
+        """Time out the exchanges whose deadline passed (within a millisecond: a timer may
+        fire that much early); come back at the next deadline. Deadlines only grow, so the
+        timer fires about once per timeout while exchanges go on, not once per exchange."""
+        self._sweep = None
+        loop, deadlines = self._loop, self._deadlines
+        if loop is None:
+            return
+        now = loop.time() + 0.001
+        for connection in [c for c, deadline in deadlines.items() if deadline <= now]:
+            del deadlines[connection]
+            connection.expire()
+        if deadlines:
+            self._sweep = loop.call_at(min(deadlines.values()), self._expire)
 
     def _kept(self, where: Address) -> tuple[bool, _Connection | None]:
         """(True, a kept connection still open), else (False, None)."""

@@ -180,6 +180,31 @@ async def test_a_refused_connection_is_unreachable_and_a_silent_one_times_out(
         )
 
 
+async def test_each_exchange_times_out_at_its_own_deadline(raw_serve: RawServe) -> None:
+    """One timer serves every exchange in flight: one that started later is not failed at an
+    earlier one's deadline, and is failed at its own."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    port = await raw_serve(silent)
+    client = _client(timeout_s=0.4)
+    request = request_bytes("127.0.0.1", port, "/metrics")
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(client.get("127.0.0.1", port, request))
+    await asyncio.sleep(0.2)
+    second_started = loop.time()
+    second = asyncio.create_task(client.get("127.0.0.1", port, request))
+    async with asyncio.timeout(5.0):
+        with pytest.raises(TimeoutError):
+            await first
+        assert not second.done()  # its deadline is 0.2 s later
+        with pytest.raises(TimeoutError):
+            await second
+    assert loop.time() - second_started >= 0.4 - 0.002
+    client.close()
+
+
 async def test_an_answer_cut_off_by_the_deadline_times_out_and_its_connection_is_dropped(
     raw_serve: RawServe,
 ) -> None:
