@@ -79,10 +79,14 @@ class BatchCap:
         a request or two low (a full engine scraped just after some requests finished); fenced
         exactly there, the engine would never run its real batch and the cap would never be
         raised to it."""
-        cap = self.value(declared)
-        if cap is None or self.source(declared) != "learned":
-            return cap
-        return cap + max(1, cap // 64)
+        if declared is not None:
+            return declared
+        if self._exported is not None:
+            return self._exported
+        learned = self._learned  # read for every scrape: `value` and `source` inlined
+        if learned is None:
+            return None
+        return learned.value + max(1, learned.value // 64)
 
     def adopt(self, cap: int | None, source: str | None, now: float) -> None:
         """Take the cap another gateway replica learned from its scrapes of the engine
@@ -93,11 +97,16 @@ class BatchCap:
         if source == "engine" and cap is not None:
             self._exported, self._learned = cap, None
         elif source == "learned" and cap is not None:
-            self._exported, self._learned = None, _Cap(cap, now)
+            self._exported = None
+            learned = self._learned
+            if learned is not None and learned.value == cap:  # as before: no new object
+                learned.confirmed, learned.pressed, learned.probed_from = now, False, None
+            else:
+                self._learned = _Cap(cap, now)
         else:
             self._exported = self._learned = None
-        if cap is not None:
-            self._peak = max(self._peak, float(cap))
+        if cap is not None and cap > self._peak:
+            self._peak = float(cap)
         self._streak = None
         self._clock = None  # queue times are read afresh from the next own scrape
 
