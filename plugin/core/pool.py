@@ -30,7 +30,7 @@ from plugin.core.pool_state import EjectionPolicy, ModelState, PodRecord, Scrape
 from plugin.core.profile import GpuProfile, ProfileBook
 from plugin.core.shared_tokens import SharedTokens
 from plugin.core.types import Candidate, EngineMetrics, Pod
-from plugin.core.view import CandidateView
+from plugin.core.view import CandidateView, usable_capacity
 from plugin.errors import NoReadyPod, UnknownModel
 
 __all__ = ["EjectionPolicy", "Learned", "Lease", "PodPool"]
@@ -474,14 +474,20 @@ class PodPool:
         """Each candidate's capacity: its learned estimate, else where it starts
         (`plugin.core.fair_start`). True when one moved."""
         estimate = self._capacity.estimate
-        profiles = None if self._profiles is None else self._profile_of
-        found = starting_capacities(state.pods, estimate, profiles) if self._fair_start else {}
+        slots = state.view.slots
+        learned = [estimate(candidate.pod.key) for candidate in slots]
+        found: dict[str, tuple[float, str]] = {}
+        # Starts only for pods without a learned capacity: none in a settled fleet, where
+        # looking for them again cost a pass over the pods each tick.
+        if self._fair_start and not all(map(usable_capacity, learned)):
+            profiles = None if self._profiles is None else self._profile_of
+            found = starting_capacities(state.pods, estimate, profiles)
         starts = state.starts = self._ramped(found) if found else {}
         moved = False
-        for candidate in state.view.slots:
-            key = candidate.pod.key
-            start = starts.get(key)
-            capacity = estimate(key) if start is None else start[0]
+        for candidate, capacity in zip(slots, learned, strict=True):
+            start = starts.get(candidate.pod.key) if starts else None
+            if start is not None:
+                capacity = start[0]
             if capacity != candidate.capacity:
                 candidate.capacity = capacity
                 moved = True
