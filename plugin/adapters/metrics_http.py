@@ -16,6 +16,7 @@ TimeoutError); `MetricsPageUnusable` for an answer that is no use (malformed, cu
 from __future__ import annotations
 
 import asyncio
+import math
 import zlib
 from collections.abc import Iterable
 from typing import cast
@@ -169,6 +170,7 @@ class MetricsClient:
         # (`_expire`): a timer per exchange (set, then cancelled) cost a tenth of a scrape.
         self._deadlines: dict[_Connection, float] = {}
         self._sweep: asyncio.TimerHandle | None = None
+        self._sweep_at = math.inf  # when it fires
 
     async def get(self, address: str, port: int, request: bytes) -> tuple[int, str, bytes]:
         """(status, reason, body) of one exchange, within the timeout. A kept connection the
@@ -184,7 +186,8 @@ class MetricsClient:
         loop = self._loop
         if loop is None or not loop.is_running():  # first use, or another loop's client now
             loop = self._loop = asyncio.get_running_loop()
-            self._deadlines, self._sweep = {}, None  # a timer of another loop never fires here
+            # A timer of another loop never fires here.
+            self._deadlines, self._sweep, self._sweep_at = {}, None, math.inf
         deadline = loop.time() + self._timeout_s
         while True:
             reused, connection = self._kept(where)
@@ -193,8 +196,8 @@ class MetricsClient:
                     connection = await self._open(loop, where)
             answer = connection.send(request)
             self._deadlines[connection] = deadline
-            if self._sweep is None:
-                self._sweep = loop.call_at(deadline, self._expire)
+            if deadline < self._sweep_at:  # the first in flight, or one slow to connect
+                self._sweep_until(deadline)
             try:
                 result = await answer
             except EngineUnreachable:
@@ -213,20 +216,29 @@ class MetricsClient:
                 self._idle.setdefault(where, []).append(connection)
             return result
 
+    def _sweep_until(self, deadline: float) -> None:
+        """The timer, moved to fire at `deadline` (math.inf: none)."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._sweep, self._sweep_at = None, deadline
+        if deadline < math.inf and self._loop is not None:
+            self._sweep = self._loop.call_at(deadline, self._expire)
+
     def _expire(self) -> None:
         """Time out the exchanges whose deadline passed (within a millisecond: a timer may
-        fire that much early); come back at the next deadline. Deadlines only grow, so the
-        timer fires about once per timeout while exchanges go on, not once per exchange."""
+        fire that much early); come back at the next deadline. An exchange's deadline is set
+        as its scrape starts, so they come in order except after a slow connect (which moves
+        the timer forward): the timer fires about once per timeout while exchanges go on,
+        not once per exchange."""
         self._sweep = None
-        loop, deadlines = self._loop, self._deadlines
-        if loop is None:
-            return
-        now = loop.time() + 0.001
-        for connection in [c for c, deadline in deadlines.items() if deadline <= now]:
+        deadlines = self._deadlines
+        now = -math.inf if self._loop is None else self._loop.time() + 0.001
+        due = [c for c, deadline in deadlines.items() if deadline <= now]
+        for connection in due:
             del deadlines[connection]
+        self._sweep_until(min(deadlines.values(), default=math.inf))
+        for connection in due:
             connection.expire()
-        if deadlines:
-            self._sweep = loop.call_at(min(deadlines.values()), self._expire)
 
     def _kept(self, where: Address) -> tuple[bool, _Connection | None]:
         """(True, a kept connection still open), else (False, None)."""

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from plugin.adapters.metrics_http import MetricsClient, request_bytes
+from plugin.adapters.metrics_http import Address, MetricsClient, request_bytes
 from plugin.errors import EngineUnreachable, MetricsPageUnusable
 from tests.helpers import ServeApp
 
@@ -180,29 +181,56 @@ async def test_a_refused_connection_is_unreachable_and_a_silent_one_times_out(
         )
 
 
-async def test_each_exchange_times_out_at_its_own_deadline(raw_serve: RawServe) -> None:
-    """One timer serves every exchange in flight: one that started later is not failed at an
-    earlier one's deadline, and is failed at its own."""
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.read()
 
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()
 
-    port = await raw_serve(silent)
-    client = _client(timeout_s=0.4)
+async def _each_at_its_own_deadline(client: MetricsClient, port: int, apart_s: float) -> float:
+    """Start a scrape of a silent engine, another `apart_s` later: the first times out while
+    the second is still waiting, then the second; the seconds the second took."""
     request = request_bytes("127.0.0.1", port, "/metrics")
     loop = asyncio.get_running_loop()
     first = asyncio.create_task(client.get("127.0.0.1", port, request))
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(apart_s)
     second_started = loop.time()
     second = asyncio.create_task(client.get("127.0.0.1", port, request))
     async with asyncio.timeout(5.0):
         with pytest.raises(TimeoutError):
             await first
-        assert not second.done()  # its deadline is 0.2 s later
+        assert not second.done()  # its deadline is later
         with pytest.raises(TimeoutError):
             await second
-    assert loop.time() - second_started >= 0.4 - 0.002
     client.close()
+    return loop.time() - second_started
+
+
+async def test_each_exchange_times_out_at_its_own_deadline(raw_serve: RawServe) -> None:
+    """One timer serves every exchange in flight: one that started later is not failed at an
+    earlier one's deadline, and is failed at its own."""
+    port = await raw_serve(_silent)
+    assert await _each_at_its_own_deadline(_client(timeout_s=0.4), port, 0.2) >= 0.4 - 0.002
+
+
+async def test_a_scrape_slow_to_connect_times_out_at_its_own_deadline(
+    raw_serve: RawServe,
+) -> None:
+    """A scrape's deadline runs from when it started: one whose connection took long to open
+    goes in after a later scrape, with the earlier deadline, and the one timer is moved
+    forward for it (left where it was, both would time out at the later deadline)."""
+
+    class SlowToConnect(MetricsClient):
+        """The first connection takes 0.5 s to open (a SYN retransmitted, say)."""
+
+        slow = True
+
+        async def _open(self, loop: asyncio.AbstractEventLoop, where: Address) -> Any:
+            if self.slow:
+                self.slow = False
+                await asyncio.sleep(0.5)
+            return await super()._open(loop, where)
+
+    port = await raw_serve(_silent)
+    await _each_at_its_own_deadline(SlowToConnect(timeout_s=0.6, max_bytes=1 << 20), port, 0.25)
 
 
 async def test_an_answer_cut_off_by_the_deadline_times_out_and_its_connection_is_dropped(
