@@ -553,6 +553,8 @@ class RedisState:
         return self._peer_scrapes(others, replies[1:])
 
     def _peer_scrapes(self, others: list[str], replies: list[Any]) -> Iterator[PeerScrapes]:
+        """Each other scraper's scrapes as the caller reaches them (`replies`: a GET and a PTTL
+        per gateway of `others`); an expired or unreadable one is skipped (logged)."""
         for i, gateway in enumerate(others):
             text, left_ms = replies[2 * i], replies[2 * i + 1]
             if not text or not isinstance(left_ms, int) or left_ms < 0:
