@@ -112,7 +112,6 @@ def encode_scrape(metrics: EngineMetrics, learned: Learned | None = None) -> lis
 # (at 10,000 pods a replica decodes the others' 8,000 records a second; keywords cost a third
 # more).
 _STEPWISE_AT = EngineMetrics._fields.index("generation_tokens_stepwise")
-_FLOAT_OR_NONE = frozenset({float, type(None)})
 
 
 def decode_scrape(values: list[Any]) -> tuple[EngineMetrics, Learned | None]:
@@ -134,11 +133,9 @@ def decode_scrape(values: list[Any]) -> tuple[EngineMetrics, Learned | None]:
         learned = (None if estimate is None else float(estimate), fast, batch, source)
     else:
         raise ValueError("wrong length")
-    fields: list[Any] = values[2:_PLAIN]
-    if not {*map(type, fields)} <= _FLOAT_OR_NONE:  # what our writer sends: taken as it is
-        fields = [None if v is None else float(v) for v in fields]
-    fields.insert(_STEPWISE_AT, bool(values[1]))
-    return EngineMetrics._make(fields), learned
+    floats: list[Any] = [None if v is None else float(v) for v in values[2:_PLAIN]]
+    floats.insert(_STEPWISE_AT, bool(values[1]))
+    return EngineMetrics._make(floats), learned
 
 
 def _name_pattern(names: Iterable[str]) -> str:

@@ -79,14 +79,10 @@ class BatchCap:
         a request or two low (a full engine scraped just after some requests finished); fenced
         exactly there, the engine would never run its real batch and the cap would never be
         raised to it."""
-        if declared is not None:
-            return declared
-        if self._exported is not None:
-            return self._exported
-        learned = self._learned  # read for every scrape: `value` and `source` inlined
-        if learned is None:
-            return None
-        return learned.value + max(1, learned.value // 64)
+        cap = self.value(declared)
+        if cap is None or self.source(declared) != "learned":
+            return cap
+        return cap + max(1, cap // 64)
 
     def adopt(self, cap: int | None, source: str | None, now: float) -> None:
         """Take the cap another gateway replica learned from its scrapes of the engine
@@ -99,7 +95,7 @@ class BatchCap:
         elif source == "learned" and cap is not None:
             self._exported = None
             learned = self._learned
-            if learned is not None and learned.value == cap:  # as before: no new object
+            if learned is not None and learned.value == cap:  # unchanged: confirmed in place
                 learned.confirmed, learned.pressed, learned.probed_from = now, False, None
             else:
                 self._learned = _Cap(cap, now)
