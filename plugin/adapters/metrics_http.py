@@ -167,7 +167,8 @@ class MetricsClient:
         # call each time (its check against a fork), twice a scrape before.
         self._loop: asyncio.AbstractEventLoop | None = None
         # Exchanges in flight and when each times out, and the one timer that times them out
-        # (`_expire`): a timer per exchange (set, then cancelled) cost a tenth of a scrape.
+        # (`_expire`): a timer per exchange, set then cancelled, cost about 1 us a scrape on
+        # uvloop, an entry in this dict 0.14.
         self._deadlines: dict[_Connection, float] = {}
         self._sweep: asyncio.TimerHandle | None = None
         self._sweep_at = math.inf  # when it fires
@@ -217,11 +218,13 @@ class MetricsClient:
             return result
 
     def _sweep_until(self, deadline: float) -> None:
-        """The timer, moved to fire at `deadline` (math.inf: none)."""
+        """The timer, moved to fire at `deadline` (math.inf: none); only once `get` has the
+        loop."""
+        assert self._loop is not None
         if self._sweep is not None:
             self._sweep.cancel()
         self._sweep, self._sweep_at = None, deadline
-        if deadline < math.inf and self._loop is not None:
+        if deadline < math.inf:
             self._sweep = self._loop.call_at(deadline, self._expire)
 
     def _expire(self) -> None:
@@ -230,9 +233,10 @@ class MetricsClient:
         as its scrape starts, so they come in order except after a slow connect (which moves
         the timer forward): the timer fires about once per timeout while exchanges go on,
         not once per exchange."""
+        assert self._loop is not None  # the timer was set on it
         self._sweep = None
         deadlines = self._deadlines
-        now = -math.inf if self._loop is None else self._loop.time() + 0.001
+        now = self._loop.time() + 0.001
         due = [c for c, deadline in deadlines.items() if deadline <= now]
         for connection in due:
             del deadlines[connection]
