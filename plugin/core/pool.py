@@ -374,10 +374,10 @@ class PodPool:
         self, key: str, metrics: EngineMetrics, now: float, learned: Learned | None = None
     ) -> None:
         """A scrape of the pod, made at `now`: its capacity and batch cap are learned from it,
-        or, with `learned` (what the replica that scraped it learned, `learned`), taken as they
-        are. Taken, the replicas sharing the scrapes see the same capacity and cap, and a
-        replica spends on each pod it does not scrape about half of what learning it cost
-        (`docs/plugin-cost.md`)."""
+        or, with `learned` (what the replica that scraped it learned: `PodPool.learned` there),
+        taken as they are. Taken, the replicas sharing the scrapes see the same capacity and
+        cap, and a replica spends on each pod it does not scrape about half of what learning
+        it cost (`docs/plugin-cost.md`)."""
         record = self._listed(key)
         if record is None:
             return
