@@ -1,6 +1,6 @@
 # The plugin image: `hetero-gateway serve` (ext_proc gRPC on 50052, HTTP /metrics /healthz /readyz
 # on 8080). Build: docker build -t hetero-gateway:0.1.0 .
-# The runtime only: `plugin/` and the plain `pip install .` (no `demo` or `test` extra, so no Envoy
+# The runtime only: `plugin/`, the ext_proc stubs built from `proto/`, and the plain `pip install .` (no `demo` or `test` extra, so no Envoy
 # binary, plots or tools); it is installed into a venv in a build stage and only that venv is
 # copied into the final image.
 # The GPU optimizer's image is the same with the `optimizer` extra (SciPy, for its solver), run as
@@ -15,7 +15,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 RUN python -m venv /opt/hetero-gateway
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
+COPY proto ./proto
 COPY plugin ./plugin
 # Extras to install, comma-separated: empty (the plugin) or `optimizer`.
 ARG EXTRAS=""

@@ -35,9 +35,9 @@ import aiohttp
 import grpc
 import orjson
 import yaml
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from hetero_gateway_protos.envoy.config.core.v3 import base_pb2
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from routing_decision import (  # the same ~2 KB chat body and GPU profiles as in process
     BODY,
     MODEL,

@@ -333,9 +333,10 @@ def _optimizer_settings(env: Mapping[str, str]) -> OptimizerSettings:
     )
 
 
-# xds-protos (the ext_proc stubs) ships its own, older copies of OpenTelemetry's protos at the
-# same import path as opentelemetry-proto's; installed after it, they break the OTLP exporter
-# (grpc/grpc#42926, open-telemetry/opentelemetry-python#4843: reinstalling it fixes it).
+# A package that ships its own, older copies of OpenTelemetry's protos at opentelemetry-proto's
+# import path (xds-protos does; the plugin no longer installs it: proto/README.md) breaks the
+# OTLP exporter when pip installs it second (grpc/grpc#42926, open-telemetry/opentelemetry-python
+# #4843: reinstalling opentelemetry-proto fixes it).
 OTEL_PROTO_FIX = "pip install --force-reinstall --no-deps opentelemetry-proto"
 
 
@@ -350,7 +351,7 @@ def _otel(env: Mapping[str, str]) -> bool:
             importlib.import_module("opentelemetry.exporter.otlp.proto.grpc.trace_exporter")
         except ImportError as exc:
             raise ConfigError(
-                f"{OTEL.name}=true: the OTLP exporter does not import ({exc}); xds-protos'"
+                f"{OTEL.name}=true: the OTLP exporter does not import ({exc}); another package's"
                 f" copies of OpenTelemetry's protos shadow opentelemetry-proto's: {OTEL_PROTO_FIX}"
             ) from None
     return on

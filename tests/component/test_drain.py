@@ -11,9 +11,9 @@ import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from plugin.adapters.discovery import load_pods_file
 from plugin.adapters.serve import Gateway

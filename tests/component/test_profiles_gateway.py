@@ -16,8 +16,8 @@ import grpc
 import orjson
 import pytest
 import redis
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.discovery import parse_pods

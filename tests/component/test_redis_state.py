@@ -23,8 +23,8 @@ import grpc
 import orjson
 import pytest
 import pytest_asyncio
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from redis.asyncio import Redis
 
 from plugin.adapters.redis_state import (

@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from plugin.core.types import Pod
 from plugin_tools.demo.redis_server import RedisServer

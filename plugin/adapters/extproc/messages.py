@@ -4,12 +4,12 @@ counts."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from hetero_gateway_protos.envoy.config.core.v3 import base_pb2
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.type.v3 import http_status_pb2
 
 from plugin.adapters.steering import (
     CONFIG_PROFILE_HEADER,
@@ -108,7 +108,8 @@ def _immediate(
 ) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            # The enum is open: any status travels as its number.
+            status=http_status_pb2.HttpStatus(code=cast("http_status_pb2.StatusCode", status)),
             headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in headers]),
             body=body,
             details=details,

@@ -9,8 +9,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
+from hetero_gateway_protos.envoy.config.core.v3 import base_pb2
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from plugin.adapters.steering import (
     CONFIG_PROFILE_HEADER,
@@ -317,7 +318,7 @@ class RoutingProcessor:
         return self._routed(decision, held=True)
 
     def _routed(self, decision: Decision, held: bool = False) -> pb.ProcessingResponse:
-        traced: list[pb.HeaderValueOption] = []
+        traced: list[base_pb2.HeaderValueOption] = []
         if self._spans is not None:  # the upstream request carries the gateway's span
             traceparent = self._spans.routed(decision, held)
             decision = dataclasses.replace(decision, spans=self._spans)

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import duration_pb2
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from plugin.adapters.steering import (
     PICK_ONLY,
@@ -30,7 +30,7 @@ from plugin.adapters.extproc.routing import RoutingProcessor
 from plugin.adapters.extproc.tokens import LeaseHandoff, Processor
 
 
-class ExtProcServicer(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def __init__(
         self,
         router: Router,

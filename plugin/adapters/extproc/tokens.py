@@ -8,7 +8,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from plugin.core.latency import ClientLatency, Felt
 from plugin.core.pool import Lease, PodPool
