@@ -37,13 +37,15 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from xdist.remote import Producer
+from xdist.scheduler import LoadScopeScheduling
 
 from plugin.adapters import serve
 from plugin.adapters.discovery import PodSource, StaticFileSource
 from plugin.adapters.envoy_config import envoy_binary as find_envoy_binary
 from plugin.adapters.serve import Gateway
 from plugin.core.strategies import Strategy
-from plugin_tools.demo.fleet import ExtraGateway, FleetSpec, LocalFleet
+from plugin_tools.demo.fleet import PORT_SLICE_ENV, ExtraGateway, FleetSpec, LocalFleet
 from plugin_tools.demo.redis_server import RedisServer
 from tests.helpers import (
     REPO,
@@ -54,6 +56,7 @@ from tests.helpers import (
     eventually,
     free_port,
     gateway_settings,
+    require_tool,
 )
 
 T = TypeVar("T")
@@ -88,6 +91,89 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "folder of its tier (tests/unit, tests/component, tests/dataplane):\n"
             + "\n".join(lines)
         )
+    _check_slow_marks(items)
+    _schedule(items)
+
+
+# --- parallel runs --------------------------------------------------------------------------------
+
+# `pytest` runs on `-n auto` workers with `--dist loadscope` (pyproject.toml), scheduled in units
+# that each run on one worker, in order: a unit or component module is a unit of its own (its
+# module fixtures are made once), the whole data-plane tier is one unit, started first. Each
+# data-plane module times a real Envoy, plugin and engines; two such fleets at once on two cores
+# would measure each other. (xdist's own `xdist_group` does not group under pytest 9.2: it
+# renames `item._nodeid`, which pytest no longer reads.)
+DATAPLANE_UNIT = "tests/dataplane"
+
+
+class TierScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no types
+    """xdist's scope scheduling, with the data-plane tier as one scope."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return DATAPLANE_UNIT if path.startswith(DATAPLANE_UNIT + "/") else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> TierScheduling | None:
+    return TierScheduling(config, log) if config.getvalue("dist") == "loadscope" else None
+
+
+def _schedule(items: list[pytest.Item]) -> None:
+    """The data plane first (xdist keeps this order, `--no-loadscope-reorder`): it is the
+    longest unit, so it must not start last."""
+    items.sort(key=lambda item: Path(str(item.path)).parent.name != "dataplane")  # stable
+
+
+def _worker_ports() -> None:
+    """Each xdist worker (and every process it starts) draws ports from its own part of the
+    range (`plugin_tools.demo.fleet.PORT_SLICE_ENV`)."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if worker and count and worker.startswith("gw"):
+        os.environ[PORT_SLICE_ENV] = f"{int(worker[2:])}/{int(count)}"
+
+
+_worker_ports()
+
+
+# --- slow tests -----------------------------------------------------------------------------------
+
+# A test phase (setup, call or teardown) over this is listed at the end of the run unless the test
+# carries `@pytest.mark.slow(reason=...)`; docs/architecture.md ("Testing") has each tier's budget.
+SLOW_S = 20.0
+_unmarked_slow: list[tuple[float, str]] = []
+
+
+def _check_slow_marks(items: list[pytest.Item]) -> None:
+    bare = sorted(
+        {
+            item.nodeid
+            for item in items
+            for m in item.iter_markers("slow")
+            if not m.kwargs.get("reason")
+        }
+    )
+    if bare:
+        raise pytest.UsageError(
+            "`@pytest.mark.slow` needs `reason=` (why the test needs over 20 s):\n  "
+            + "\n  ".join(bare)
+        )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.duration > SLOW_S and "slow" not in report.keywords:
+        _unmarked_slow.append((report.duration, f"{report.nodeid} ({report.when})"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _unmarked_slow:
+        return
+    terminalreporter.section(f"over {SLOW_S:.0f} s without @pytest.mark.slow(reason=...)")
+    for duration, what in sorted(_unmarked_slow, reverse=True):
+        terminalreporter.write_line(f"{duration:7.1f} s  {what}")
 
 
 # --- ports ----------------------------------------------------------------------------------------
@@ -151,7 +237,8 @@ async def serve_app() -> AsyncIterator[ServeApp]:
 @pytest_asyncio.fixture
 async def redis_server() -> AsyncIterator[RedisServer]:
     """A throwaway `redis-server` on a free loopback port, no persistence; the test may kill it
-    and start it again on the same port. A machine without redis-server fails here, saying so."""
+    and start it again on the same port. A machine without redis-server skips (fails in CI)."""
+    require_tool("redis-server")
     async with RedisServer() as server:
         yield server
 
@@ -160,6 +247,7 @@ async def redis_server() -> AsyncIterator[RedisServer]:
 async def module_redis() -> AsyncIterator[RedisServer]:
     """One `redis-server` for a whole module: the gateway replicas of a data-plane module share
     their state (and write their request traces) through it (`helpers.redis_env`)."""
+    require_tool("redis-server")
     async with RedisServer() as server:
         yield server
 
@@ -294,11 +382,9 @@ def profile_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def render() -> Kustomize:
+    """`kubectl kustomize`, or the same kustomize as its own program where kubectl is missing
+    (`.ci/run` builds it with `go install`); a machine with neither skips (fails in CI)."""
     kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail(
-            "kubectl not found on PATH: the manifest tests render deploy/ with `kubectl kustomize`"
-            " (install kubectl)",
-            pytrace=False,
-        )
-    return Kustomize(kubectl)
+    if kubectl is not None:
+        return Kustomize([kubectl, "kustomize"])
+    return Kustomize([require_tool("kustomize"), "build"])

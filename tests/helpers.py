@@ -10,19 +10,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import orjson
+import pytest
 import yaml
 from aiohttp import web
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from hetero_gateway_protos.envoy.config.core.v3 import base_pb2
+from hetero_gateway_protos.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 
 from plugin.adapters.discovery import PodSource
@@ -52,6 +56,7 @@ __all__ = [
     "metric_value",
     "poll",
     "redis_env",
+    "require_tool",
     "run_cli",
     "wait_idle",
     "write_pods_file",
@@ -61,6 +66,30 @@ T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 5.0  # default bound of every wait; a passing run waits milliseconds
+
+# --- tools outside pip ----------------------------------------------------------------------------
+
+# How to get each program a test runs that pip does not install (`.ci/run` installs them all).
+INSTALL = {
+    "redis-server": "apt-get install redis-server",
+    "prometheus": "apt-get install prometheus",
+    "promtool": "apt-get install prometheus",
+    "tmux": "apt-get install tmux",
+    "kustomize": "go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0 (or install kubectl)",
+}
+
+
+def require_tool(name: str) -> str:
+    """The path of program `name`. Missing, the test skips naming the install line, except in CI
+    (`CI=true`), where it fails: there a test must never silently stop running."""
+    found = shutil.which(name)
+    if found is not None:
+        return found
+    message = f"{name} not found on PATH: {INSTALL[name]}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
 
 # --- waiting --------------------------------------------------------------------------------------
 
@@ -370,27 +399,28 @@ def one(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 
 class RenderError(Exception):
-    """`kubectl kustomize` refused a kustomization; the message carries kubectl's."""
+    """kustomize refused a kustomization; the message carries its own."""
 
 
 class Kustomize:
-    """`kubectl kustomize`; each overlay of deploy/ is rendered once and copied for each test."""
+    """`kubectl kustomize` (or `kustomize build`: `command` is either, without the directory);
+    each overlay of deploy/ is rendered once and copied for each test."""
 
-    def __init__(self, kubectl: str) -> None:
-        self.kubectl = kubectl
+    def __init__(self, command: Sequence[str]) -> None:
+        self.command = list(command)
         self._overlays: dict[str, tuple[dict[str, Any], ...]] = {}
 
     def build(self, directory: Path) -> list[dict[str, Any]]:
         """The objects the kustomization in `directory` renders, in kubectl's order."""
         proc = subprocess.run(
-            [self.kubectl, "kustomize", str(directory)],
+            [*self.command, str(directory)],
             capture_output=True,
             text=True,
             timeout=120,
             check=False,
         )
         if proc.returncode != 0:
-            raise RenderError(f"kubectl kustomize {directory} failed:\n{proc.stderr}")
+            raise RenderError(f"{shlex.join(self.command)} {directory} failed:\n{proc.stderr}")
         return [doc for doc in yaml.load_all(proc.stdout, Loader=YAML_LOADER) if doc is not None]
 
     def __call__(self, overlay: str) -> list[dict[str, Any]]:

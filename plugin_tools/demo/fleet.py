@@ -38,6 +38,27 @@ def _ephemeral_start() -> int:
 
 _handed_out: set[int] = set()  # ports `free_port` returned (bounded)
 
+# "K/N": draw ports from the K-th of N equal parts of the range only. Parallel test workers
+# (tests/conftest.py) each take their own part, so two never hand out the same port; their
+# child processes (`up`, benchmarks) inherit it.
+PORT_SLICE_ENV = "HETERO_GATEWAY_PORT_SLICE"
+
+
+def _port_range() -> tuple[int, int]:
+    high = _ephemeral_start()
+    low = max(1024, high - 12000)
+    part = os.environ.get(PORT_SLICE_ENV)
+    if not part:
+        return low, high
+    try:
+        k, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise ValueError(f"{PORT_SLICE_ENV}={part!r}: expected K/N, e.g. 0/2") from None
+    if not 0 <= k < n:
+        raise ValueError(f"{PORT_SLICE_ENV}={part!r}: K must be in 0..N-1")
+    width = (high - low) // n
+    return low + k * width, low + (k + 1) * width
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on, chosen below the ephemeral range.
@@ -47,8 +68,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     check and the child's bind, one of them could take it ("Address already in use"). Ports below
     that range are only ever taken by someone binding them on purpose.
     """
-    high = _ephemeral_start()
-    low = max(1024, high - 12000)
+    low, high = _port_range()
     for _ in range(64):
         port = _rng.randrange(low, high)
         if port in _handed_out:

@@ -1,13 +1,13 @@
 """The Kubernetes manifests in deploy/ and the Dockerfile, checked without a cluster.
 
-Each overlay is rendered with `kubectl kustomize` (once per session; a machine without kubectl
-fails these tests, saying so), every Envoy Gateway, Gateway API and AIBrix PodAutoscaler object is
-validated against the CRD schemas of the shared data (`crds/`, the `crd_dir` fixture of
-tests/conftest.py; unknown fields rejected, as kubectl's strict field validation does), the CEL
-rules those CRDs enforce on the fields we use are mirrored, and the names, ports, limits and
-timeouts that must agree across objects, with the plugin's own defaults (plugin.config,
-plugin.adapters.envoy_config) and with the Dockerfile are compared; so are the GPU optimizer's
-ports, Redis, RBAC and the PodAutoscalers that read its answer.
+Each overlay is rendered with `kubectl kustomize` (`kustomize build` where kubectl is missing; once
+per session; a machine with neither skips, or fails in CI), every Envoy Gateway, Gateway API and
+AIBrix PodAutoscaler object is validated against the CRD schemas of the shared data (`crds/`, the
+`crd_dir` fixture of tests/conftest.py; unknown fields rejected, as kubectl's strict field
+validation does), the CEL rules those CRDs enforce on the fields we use are mirrored, and the names,
+ports, limits and timeouts that must agree across objects, with the plugin's own defaults
+(plugin.config, plugin.adapters.envoy_config) and with the Dockerfile are compared; so are the GPU
+optimizer's ports, Redis, RBAC and the PodAutoscalers that read its answer.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,15 @@ from plugin.core.drift import BeyondGrid, ProfileDrift
 from plugin.core.latency import DECISION_BUCKETS_S, ClientLatency, Histogram, SloOutcomes
 from plugin.core.pool import PodPool
 from plugin.core.router import PredictionStats, WaitStats
-from tests.helpers import REPO, StartGateway, free_port, make_pod, poll, write_pods_file
+from tests.helpers import (
+    REPO,
+    StartGateway,
+    free_port,
+    make_pod,
+    poll,
+    require_tool,
+    write_pods_file,
+)
 
 pytestmark = pytest.mark.component
 
@@ -135,9 +142,7 @@ def test_the_name_check_would_catch_a_renamed_metric() -> None:
 
 
 def _promtool() -> str:
-    found = shutil.which("promtool")
-    assert found, "promtool is missing: apt-get install prometheus (Debian's package has it)"
-    return found
+    return require_tool("promtool")
 
 
 def test_promtool_accepts_the_alert_rules() -> None:
@@ -200,8 +205,7 @@ async def test_a_real_prometheus_evaluates_every_query_over_two_gateways(
     """Debian's Prometheus scrapes two plugin replicas over one pod list and evaluates every
     dashboard query and every alert rule: what promtool's syntax check cannot see, such as a
     join that matches many-to-many once two gateways export the same pods."""
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is missing: apt-get install prometheus"
+    binary = require_tool("prometheus")
     pods = write_pods_file(
         tmp_path / "pods.yaml",
         [  # the GPU type as discovery reads it: the deployment label

@@ -1,10 +1,14 @@
-"""SLO routing end to end: real Envoy, the plugin, two mock GPU types, profiles made by the
-`profile sweep` and `profile build` commands against those engines.
+"""SLO routing end to end: real Envoy, the plugin, two mock GPU types, profiles built by the
+`profile build` command from a `profile sweep` of those engines.
 
 One fleet (an a100 and a v100 mock engine) serves a mix of short chat prompts and long prompts
-(4,200 words: over 4k tokens as the engine counts them). Each GPU type is swept through the
-gateway, narrowed to its own pod by the `external-filter` header, and its profile is built for
-p99 TTFT <= 1 s. Then:
+(4,200 words: over 4k tokens as the engine counts them). Each GPU type was swept through the
+gateway, narrowed to its own pod by the `external-filter` header, at p90 TTFT <= 1 s; the rows
+that sweep wrote are stored in `tests/data/slo-sweep/` (the sweep takes about half an hour on 2
+cores: a benchmark's time, not a test's), and the test builds each profile from them with
+`profile build`. A short AIBrix-rule sweep of idle requests first checks that the stored rows
+still describe these engines (the a100 prefills a 4k prompt within the SLO, the v100 does not,
+and neither is faster than its profile says). Then:
 
 - the same mix under `least-request` and under `slo`: least-request sends long prompts to the
   v100, whose prefill alone exceeds the SLO, so its p99 TTFT breaks the SLO; `slo` keeps them on
@@ -12,11 +16,17 @@ p99 TTFT <= 1 s. Then:
   rejecting about as many as least-request serves late: docs/benchmarks.md has the longer run);
 - a burst of long prompts under `slo`: more than the a100 can start within the SLO; those it
   cannot serve in time are answered 503 within 100 ms of their deadline, none is served late.
+
+After a change to the mock engine or the sweep, record the rows again (the whole live sweep, then
+the same assertions on what it measured):
+
+    HETERO_GATEWAY_RECORD_SLO_SWEEP=1 python -m pytest tests/dataplane/test_dataplane_slo.py
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -73,39 +83,78 @@ async def _cli(*args: str) -> str:
     return out.decode()
 
 
-async def _sweep_and_build(fleet: LocalFleet, gpu: str, profile_dir: Path) -> GpuProfile:
+SWEEP_ROWS = Path(__file__).resolve().parents[1] / "data" / "slo-sweep"  # {gpu}.jsonl
+RECORD_ENV = "HETERO_GATEWAY_RECORD_SLO_SWEEP"
+SWEPT_INPUTS = (64, 4096)
+
+
+async def _sweep(fleet: LocalFleet, gpu: str, rows: Path) -> None:
     """The README's workflow for one GPU type, through the gateway: the steady sweep of the
-    mix's two sizes, judged at p90 to keep the test short (29 requests a probe; the benchmark
-    judges p99), then the profile it settled on."""
-    rows = profile_dir.parent / f"{gpu}.jsonl"
+    mix's two sizes, judged at p90 (29 requests a probe; the benchmark judges p99)."""
+    _discard(rows)  # an existing file would be resumed, not swept again
     await _cli(
         *("profile", "sweep", "--base-url", fleet.envoy_url, "--model", BENCH.model),
         *("--external-filter", f"{DEPLOYMENT_LABEL}={gpu}"),
-        *("--inputs", "64,4096", "--outputs", "32", "--ttft", str(SLO_S)),
+        *("--inputs", ",".join(map(str, SWEPT_INPUTS)), "--outputs", "32", "--ttft", str(SLO_S)),
         *("--percentile", str(PERCENTILE), "--rate-limit", "64"),
         *("--no-progress", "-o", str(rows)),
     )
+
+
+async def _build(gpu: str, rows: Path, profile_dir: Path) -> GpuProfile:
+    """`profile build` over a sweep's rows: the profile it settled on, where the plugin reads it."""
     target = profile_dir / BENCH.model / f"{gpu}.json"
     await _cli("profile", "build", gpu, "--benchmark", str(rows), "-o", str(target))
     return parse_profile(orjson.loads(target.read_bytes()))
+
+
+async def _idle_ttft(fleet: LocalFleet, gpu: str, out: Path) -> dict[int, float]:
+    """Three requests of each swept size at 0.5/s (AIBrix's rule, one rate): {input: p99 TTFT}."""
+    await _cli(
+        *("profile", "sweep", "--rule", "aibrix", "--base-url", fleet.envoy_url),
+        *("--model", BENCH.model, "--external-filter", f"{DEPLOYMENT_LABEL}={gpu}"),
+        *("--inputs", ",".join(map(str, SWEPT_INPUTS)), "--outputs", "32", "--prompts", "3"),
+        *("--rate-start", "0.5", "--rate-limit", "0.5", "--no-progress", "-o", str(out)),
+    )
+    return _p99_ttft(out)
+
+
+def _discard(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def _p99_ttft(rows: Path) -> dict[int, float]:
+    docs = [orjson.loads(line) for line in rows.read_bytes().splitlines()]
+    return {d["input_tokens"]: d["P99"] for d in docs if d["metric"] == "TTFT"}
 
 
 @dataclass
 class Profiled:
     fleet: LocalFleet
     profiles: dict[str, GpuProfile]
+    idle_ttft_s: dict[str, dict[int, float]]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def profiled(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Profiled]:
-    profile_dir = tmp_path_factory.mktemp("slo") / "profiles"
+    work = tmp_path_factory.mktemp("slo")
+    profile_dir = work / "profiles"
     fleet = slo_fleet(BENCH, profile_dir, free_port())
+    gpus = list(BENCH.presets)
+    rows = {g: SWEEP_ROWS / f"{g}.jsonl" for g in gpus}
     async with fleet:
-        gpus = list(BENCH.presets)
-        built = await asyncio.gather(*(_sweep_and_build(fleet, g, profile_dir) for g in gpus))
+        if os.environ.get(RECORD_ENV) == "1":
+            SWEEP_ROWS.mkdir(parents=True, exist_ok=True)
+            await asyncio.gather(*(_sweep(fleet, g, rows[g]) for g in gpus))
+        missing = [str(path) for path in rows.values() if not path.is_file()]
+        assert not missing, f"no stored sweep: {missing} (record it: {RECORD_ENV}=1)"
+        built = await asyncio.gather(*(_build(g, rows[g], profile_dir) for g in gpus))
+        idle = await asyncio.gather(*(_idle_ttft(fleet, g, work / f"idle-{g}.jsonl") for g in gpus))
         await fleet.stop_process(fleet.plugin)
         await fleet.start_plugin()  # reads HETERO_GATEWAY_PROFILE_DIR at start-up
-        yield Profiled(fleet, dict(zip(gpus, built, strict=True)))
+        yield Profiled(
+            fleet, dict(zip(gpus, built, strict=True)), dict(zip(gpus, idle, strict=True))
+        )
 
 
 def _cell(profile: GpuProfile, words: int) -> float:
@@ -119,6 +168,21 @@ async def test_the_sweeps_measure_what_each_gpu_type_sustains(profiled: Profiled
     assert _cell(a100, 64) > _cell(v100, 64) > 0  # both serve short prompts, the a100 more
     assert _cell(a100, 4096) > 0  # a 4k prefill takes ~0.4 s on the a100 ...
     assert _cell(v100, 4096) == 0  # ... and ~1.4 s on the v100: never within a 1 s TTFT
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_stored_sweep_still_describes_these_engines(profiled: Profiled) -> None:
+    """Idle requests measured now fall on the same side of the SLO as the stored sweep says, and
+    no GPU type is slower at idle than its profile under load: else record the sweep again."""
+    idle = profiled.idle_ttft_s
+    print("idle p99 TTFT", idle)
+    assert idle["a100"][4096] < SLO_S < idle["v100"][4096]
+    for gpu, profile in profiled.profiles.items():
+        assert profile.ttft is not None
+        for words in SWEPT_INPUTS:
+            if _cell(profile, words) > 0:  # servable: its TTFT under load is no better than idle
+                loaded = profile.ttft[0][profile.in_ticks.index(words)]
+                assert idle[gpu][words] <= loaded * 1.25 + 0.05, (gpu, words, loaded)
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import aiohttp
 import pytest
 
 from plugin_tools.demo.fleet import LocalFleet
-from tests.helpers import wait_idle
+from tests.helpers import require_tool, wait_idle
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.asyncio(loop_scope="module")]
 
@@ -68,8 +67,7 @@ async def test_piped_it_prints_one_plain_line_per_pod(fleet: LocalFleet) -> None
 async def test_in_a_terminal_it_draws_the_pods_and_quits_on_q(
     fleet: LocalFleet, tmp_path: Path
 ) -> None:
-    tmux = shutil.which("tmux")
-    assert tmux, "tmux is missing: apt-get install tmux"
+    tmux = require_tool("tmux")
     await _traffic(fleet, 4)
     session = f"top-{tmp_path.name}"
     status = tmp_path / "status"
