@@ -121,8 +121,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> TierSch
 
 def _schedule(items: list[pytest.Item]) -> None:
     """The data plane first (xdist keeps this order, `--no-loadscope-reorder`): it is the
-    longest unit, so it must not start last."""
-    items.sort(key=lambda item: Path(str(item.path)).parent.name != "dataplane")  # stable
+    longest unit, so it must not start last. Then the modules with a slow test, for the same
+    reason; then the rest, in collection order."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item: pytest.Item) -> tuple[bool, bool]:
+        return Path(str(item.path)).parent.name != "dataplane", item.path not in slow_modules
+
+    items.sort(key=rank)  # stable: a module's tests stay together and in order
 
 
 def _worker_ports() -> None:

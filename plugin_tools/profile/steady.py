@@ -49,7 +49,7 @@ from plugin.core.profile import GpuProfile
 from plugin.core.types import SloTarget
 from plugin.errors import ConfigError
 from plugin_tools.profile.build import BenchmarkRow
-from plugin_tools.stats import interpolated_percentile
+from plugin_tools.stats import interpolated_percentiles
 
 __all__ = [
     "CONFIDENCE",
@@ -564,7 +564,7 @@ def _stats(values: Sequence[float]) -> tuple[float, float, float, float]:
     """mean, P50, P90, P99 as AIBrix's benchmark computes them (NaN for no values)."""
     if not values:
         return math.nan, math.nan, math.nan, math.nan
-    p50, p90, p99 = (interpolated_percentile(values, p) for p in (50, 90, 99))
+    p50, p90, p99 = interpolated_percentiles(values, (50, 90, 99))
     return sum(values) / len(values), p50, p90, p99
 
 

@@ -53,7 +53,7 @@ from plugin_tools.profile.steady import (
     pooled_gaps,
     swept_slo,
 )
-from plugin_tools.stats import interpolated_percentile
+from plugin_tools.stats import interpolated_percentiles
 
 __all__ = [
     "Sample",
@@ -194,7 +194,7 @@ def rows_for(
     def row(metric: str, mean: float, values: Sequence[float] | None = None) -> BenchmarkRow:
         p50 = p90 = p99 = math.nan
         if values:
-            p50, p90, p99 = (interpolated_percentile(values, p) for p in (50, 90, 99))
+            p50, p90, p99 = interpolated_percentiles(values, (50, 90, 99))
         return BenchmarkRow(
             input_tokens,
             output_tokens,

@@ -27,6 +27,9 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+@pytest.mark.slow(
+    reason="the bench command's quick run: Envoy alone and with the plugin, each for a few seconds"
+)
 def test_bench_quick_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     run_cli("bench", "--quick", "--no-progress", "--out-dir", str(out), timeout_s=300)

@@ -54,6 +54,9 @@ async def generated(session: aiohttp.ClientSession, fleet: LocalFleet) -> dict[s
     }
 
 
+@pytest.mark.slow(
+    reason="open-loop load through two gateways until both have learned every replica's capacity"
+)
 async def test_two_gateways_agree_on_each_replicas_capacity(
     fleet: LocalFleet, second_gateway: ExtraGateway
 ) -> None:

@@ -94,6 +94,7 @@ async def traces(redis: Redis) -> dict[str, dict[str, Any]]:
     return found
 
 
+@pytest.mark.slow(reason="traffic through two gateways across trace windows, which are 10 s each")
 async def test_both_gateways_requests_are_traced_once_in_aligned_windows(
     fleet: LocalFleet, second_gateway: ExtraGateway, module_redis: RedisServer
 ) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plugin_tools.demo.report import (
     REPLICA_KEYS,
@@ -15,7 +18,7 @@ from plugin_tools.demo.report import (
     format_table,
     summarize,
 )
-from plugin_tools.stats import percentile
+from plugin_tools.stats import interpolated_percentiles, percentile
 
 pytestmark = pytest.mark.unit
 
@@ -83,6 +86,25 @@ def test_percentile_nearest_rank(samples: list[float], p: float, expected: float
 def test_percentile_rejects_out_of_range(p: float) -> None:
     with pytest.raises(ValueError):
         percentile([1.0], p)
+
+
+@given(
+    st.lists(st.floats(min_value=-1e9, max_value=1e9, allow_nan=False), min_size=2, max_size=300),
+    st.lists(st.integers(min_value=1, max_value=99), min_size=1, max_size=5),
+)
+def test_interpolated_percentiles_are_statistics_quantiles_to_the_bit(
+    samples: list[float], ps: list[int]
+) -> None:
+    """One sort for several percentiles, the same values as `statistics.quantiles` (what
+    AIBrix's NumPy percentile is, and what the rows were before)."""
+    cuts = statistics.quantiles(samples, n=100, method="inclusive")
+    assert interpolated_percentiles(samples, ps) == tuple(cuts[p - 1] for p in ps)
+
+
+@pytest.mark.parametrize("ps", [(0,), (100,), (50, 101)])
+def test_interpolated_percentiles_reject_out_of_range(ps: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match=r"1\.\.99"):
+        interpolated_percentiles([1.0, 2.0], ps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,4 +31,3 @@ def test_a_present_tool_is_its_path(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     program.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert require_tool("kustomize") == str(program)
-

@@ -6,9 +6,10 @@ as a fast one, which a mixed plan does not provide for). The trace windows the l
 are the ones the gateway's own recorder makes of the same requests, and the cheapest fleet of
 one GPU type never costs less than the mixed plan.
 
-The GPU profiles come from simulated sweeps, built once per process (about 20 s for the three
-types); the runs are short (400 measured requests after 60 s of warm-up), so the module takes
-under a minute. The benchmark (`benchmarks/optimizer_plan.py`) runs the same loop at full size.
+The GPU profiles come from simulated sweeps on a grid stepping by 4, built once per process (about
+50 s for the three types); the runs are short (400 measured requests after 60 s of warm-up), so
+the module takes about a minute. The benchmark (`benchmarks/optimizer_plan.py`) runs the same loop
+at full size.
 """
 
 from __future__ import annotations
@@ -36,18 +37,32 @@ from plugin_tools.sim.closed_loop import (
     trace_windows,
 )
 from plugin_tools.sim.fleet import MODEL
+from plugin_tools.sim.profiles import grid_for
 from plugin_tools.sim.sweep import Scenario
 from plugin_tools.sim.workload import CHAT, SimRequest
 
-pytestmark = pytest.mark.unit
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.slow(reason="the module's first test builds three simulated sweeps (about 50 s)"),
+]
 
 RATES = (1.0, 8.0, 32.0)  # req/s: one replica, a mixed handful, a dozen or more
 TARGET = 0.99
 
 
+# The sweep's grid steps by 4 (not 2), as tests/unit/test_sim_slo.py's does: it still covers
+# every size chat makes, and the three simulated sweeps take a third of the time (the
+# benchmark sweeps the full grid).
+COARSE = replace(
+    grid_for(CHAT), inputs=tuple(4**k for k in range(7)), outputs=(1, 4, 16, 64, 256, 1024)
+)
+
+
 @pytest.fixture(scope="module")
 def loop() -> ClosedLoop:
-    return ClosedLoop(Scenario(default_gpus(), CHAT, measured_requests=400, warmup_s=60.0))
+    return ClosedLoop(
+        Scenario(default_gpus(), CHAT, measured_requests=400, warmup_s=60.0, sweep=COARSE)
+    )
 
 
 @pytest.fixture(scope="module")

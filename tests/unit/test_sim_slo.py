@@ -200,6 +200,9 @@ def test_the_book_holds_one_profile_per_gpu_type_under_aibrix_keys() -> None:
 
 
 # SLO routing against least-request on the mix -------------------------------------------------
+@pytest.mark.slow(
+    reason="simulated steady sweeps of two GPU types, then both strategies on the same mix"
+)
 def test_slo_routing_beats_least_request_on_chat_with_long_prompts() -> None:
     # A TPAT target of 20 ms: the l20 (20 ms a step at least) cannot serve chat's long answers
     # within it, the a100 can; least-request sends the l20 its share of them anyway. The grid
