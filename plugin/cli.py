@@ -16,7 +16,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
 # Each `register_cli(subparsers)` adds a sub-command whose parser has
 # `set_defaults(func=callable(args) -> int)`.
@@ -30,11 +30,20 @@ COMMAND_GROUP = "hetero_gateway.commands"
 log = logging.getLogger(__name__)
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree that was never installed has none)."""
+    try:
+        return version("hetero-gateway")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-gateway",
         description="Capacity-aware LLM routing for Envoy on mixed GPU fleets.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _RUNTIME_COMMANDS:
         importlib.import_module(name).register_cli(sub)

@@ -24,7 +24,7 @@ from plugin.adapters.http import LatencyView, build_app
 from plugin.adapters.native_memory import MemoryTrimmer
 from plugin.adapters.profiles import DirectoryProfiles, ProfileLoader, RedisProfiles
 from plugin.adapters.scraper import MetricsScraper
-from plugin.config import Settings
+from plugin.config import GRPC_PORT, HTTP_PORT, Settings, Var
 from plugin.core.admission import Admission
 from plugin.core.auth import BearerToken
 from plugin.core.capacity import CapacityEstimator
@@ -294,9 +294,9 @@ class Gateway:
         try:
             self.grpc_port = server.add_insecure_port(f"{self.host}:{self.settings.grpc_port}")
         except RuntimeError as exc:  # grpc raises RuntimeError for a busy port
-            raise OSError(f"cannot bind gRPC port {self.settings.grpc_port}: {exc}") from None
+            raise _unbound("gRPC", self.settings.grpc_port, GRPC_PORT, str(exc)) from None
         if self.grpc_port == 0:
-            raise OSError(f"cannot bind gRPC port {self.settings.grpc_port}")
+            raise _unbound("gRPC", self.settings.grpc_port, GRPC_PORT, "in use")
         await server.start()
         self._server = server
 
@@ -323,7 +323,11 @@ class Gateway:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.settings.http_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # in use, or not ours to bind
+            await runner.cleanup()
+            raise _unbound("HTTP", self.settings.http_port, HTTP_PORT, exc.strerror) from None
         self._runner = runner
         addresses = runner.addresses
         self.http_port = int(addresses[0][1]) if addresses else self.settings.http_port
@@ -404,6 +408,12 @@ class Gateway:
             await self.profile_loader.close()
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+def _unbound(what: str, port: int, var: Var[int], reason: str | None) -> ConfigError:
+    """A port that cannot be bound, in one line naming what sets it (not a traceback)."""
+    flag = f" or {var.flag.command} {var.flag.option}" if var.flag is not None else ""
+    return ConfigError(f"cannot bind the {what} port {port} ({var.name}{flag}): {reason}")
 
 
 async def run_until_signal(gateway: Gateway) -> None:

@@ -14,12 +14,12 @@ is full, and which waiting request goes next. The router holds requests by them 
   does with token counts), usage counted in GPU-seconds: prompt tokens over the serving
   replica's prefill speed plus output tokens over its learned decode throughput (`gpu_seconds`).
   A token on a replica that learned 500 tokens/s holds the GPU three times as long as one on a
-  replica at 1,600 (DESIGN.md section 10): counting tokens or requests, a tenant whose requests
-  land on the slow type gets three times the GPU time of one on the fast type. A tenant is
-  charged an estimate when its request is dispatched and the difference when it ends
-  (`FairQueue.charge`), so a long stream counts from its start. A tenant that starts waiting
-  after an idle spell starts at the least usage among those waiting: idling earns no credit
-  (VTC's counter lift), and a newcomer does not jump ahead of everyone for as long as its
+  replica at 1,600 (docs/admission.md, "GPU-seconds"): counting tokens or requests, a tenant
+  whose requests land on the slow type gets three times the GPU time of one on the fast type.
+  A tenant is charged an estimate when its request is dispatched and the difference when it
+  ends (`FairQueue.charge`), so a long stream counts from its start. A tenant that starts
+  waiting after an idle spell starts at the least usage among those waiting: idling earns no
+  credit (VTC's counter lift), and a newcomer does not jump ahead of everyone for as long as its
   zero counter lasts.
 - **Full.** A model's fleet is full when no candidate has room: in flight at or above its batch
   cap (`Candidate.saturation`: declared, exported or learned; `UNKNOWN_CAP` before any is known)

@@ -65,7 +65,7 @@ def register_cli(sub: Any) -> None:
         help="measure one deployment over a grid of request sizes, write benchmark JSONL",
         description="Default (--rule steady): per cell (input x output tokens), the largest "
         "Poisson rate at which one replica is stable and meets every SLO given at --percentile "
-        "per request, with 95%% confidence; doubling then bisecting to 10%%, confirmed with a "
+        "per request, with 95% confidence; doubling then bisecting to 10%, confirmed with a "
         "second seed, each cell bounded by the smaller cells already swept. Several --base-url "
         "(replicas of one deployment) sweep cells in parallel. Rows in AIBrix's benchmark JSONL, "
         "appended per probe: run the same command again to resume. --rule aibrix: AIBrix's "

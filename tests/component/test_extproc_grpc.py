@@ -37,6 +37,7 @@ from plugin.adapters.steering import LEASE_HEADER, PROMPT_TOKENS_HEADER
 from plugin.core.pool import Lease, PodPool
 from plugin.core.strategies import Admission, Route, Strategy, Wait, build_strategies
 from plugin.core.types import Candidate, Pod, RequestInfo
+from plugin.errors import ConfigError
 from tests.helpers import (
     StartGateway,
     eventually,
@@ -429,7 +430,7 @@ async def test_second_gateway_cannot_take_a_busy_grpc_port(
     )
     second = Gateway(settings, StaticFileSource(str(pods_file), poll_s=30.0), "127.0.0.1")
     try:
-        with pytest.raises((OSError, RuntimeError)):
+        with pytest.raises(ConfigError, match="HETERO_GATEWAY_GRPC_PORT or serve --grpc-port"):
             await second.start()
     finally:
         await second.stop()

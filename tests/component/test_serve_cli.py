@@ -8,6 +8,8 @@ discovery, records what it saw and stops it.
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,3 +395,33 @@ def test_a_discovery_flag_outside_the_choices_is_a_usage_error(
     assert info.value.code == 2
     assert "--discovery" in capsys.readouterr().err
     assert started == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "var"),
+    [("--http-port", "HETERO_GATEWAY_HTTP_PORT"), ("--grpc-port", "HETERO_GATEWAY_GRPC_PORT")],
+)
+def test_a_busy_port_is_one_line_naming_it_and_what_sets_it(
+    flag: str, var: str, good_pods: Path
+) -> None:
+    """A port another process listens on stops `serve` with one line and exit 2, as every other
+    start-up error does (it was a 30-line traceback for the HTTP port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = _serve_args(good_pods)
+        argv[argv.index(flag) + 1] = str(port)
+        done = subprocess.run(
+            [sys.executable, "-m", "plugin", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    # Besides the log's own lines (gRPC's core logs the failed bind too): one error line.
+    errors = [line for line in done.stderr.splitlines() if line.startswith("hetero-gateway:")]
+    assert len(errors) == 1 and errors[0].startswith(PREFIX), done.stderr
+    assert str(port) in errors[0] and var in errors[0] and f"serve {flag}" in errors[0]
