@@ -38,6 +38,28 @@ def _version() -> str:
         return "(not installed)"
 
 
+class _DefaultsShown(argparse.HelpFormatter):
+    """Each option's default after its help, unless the help already says it (the options
+    declared in `plugin/config` say where theirs comes from)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, "", [], argparse.SUPPRESS)
+        if not action.option_strings or not shown or "default" in text.lower():
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """`parser` and every command's parser below it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found += _subparsers(child)
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetero-gateway",
@@ -54,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
             log.debug("command %s unavailable: %s", ep.name, exc)
             continue
         register(sub)
+    for each in _subparsers(parser):
+        if each.formatter_class is argparse.HelpFormatter:  # a command's own formatter stays
+            each.formatter_class = _DefaultsShown
     return parser
 
 

@@ -60,7 +60,7 @@ def register_cli(sub: argparse._SubParsersAction[Any]) -> None:
         help="with --demo: load offered before each measured window, left out of the figures "
         "(default 60: capacity is learned over a one-minute window)",
     )
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="the load's arrivals and sizes")
     p.set_defaults(func=run)
 
 

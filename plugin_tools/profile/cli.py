@@ -77,12 +77,25 @@ def register_cli(sub: Any) -> None:
         action="append",
         help="e.g. http://10.0.0.5:8000; repeat for several replicas of one deployment",
     )
-    sweep.add_argument("--model", required=True)
-    sweep.add_argument("--rule", choices=("steady", "aibrix"), default="steady")
-    sweep.add_argument("--input-start", type=_positive_int, default=128)
-    sweep.add_argument("--input-limit", type=_positive_int, default=2048)
-    sweep.add_argument("--output-start", type=_positive_int, default=4)
-    sweep.add_argument("--output-limit", type=_positive_int, default=512)
+    sweep.add_argument("--model", required=True, help="the body's model, as the engine serves it")
+    sweep.add_argument(
+        "--rule",
+        choices=("steady", "aibrix"),
+        default="steady",
+        help="steady: the steady-state search; aibrix: AIBrix's doubling sweep",
+    )
+    sweep.add_argument(
+        "--input-start", type=_positive_int, default=128, help="smallest input tick, tokens"
+    )
+    sweep.add_argument(
+        "--input-limit", type=_positive_int, default=2048, help="largest input tick, tokens"
+    )
+    sweep.add_argument(
+        "--output-start", type=_positive_int, default=4, help="smallest output tick, tokens"
+    )
+    sweep.add_argument(
+        "--output-limit", type=_positive_int, default=512, help="largest output tick, tokens"
+    )
     sweep.add_argument(
         "--inputs", type=_ticks, metavar="N,N,...", help="input ticks (instead of start..limit)"
     )
@@ -136,7 +149,7 @@ def register_cli(sub: Any) -> None:
         help="JSONL file to append to (default stdout); steady: an existing file is resumed",
     )
     sweep.add_argument("--dry-run", action="store_true", help="print the plan, send nothing")
-    sweep.add_argument("--no-progress", action="store_true")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     sweep.set_defaults(func=_sweep)
 
     build = commands.add_parser(
@@ -150,7 +163,12 @@ def register_cli(sub: Any) -> None:
     )
     build.add_argument("deployment", help="the deployment (GPU type) the profile describes")
     build.add_argument("--benchmark", type=Path, required=True, help="benchmark JSONL")
-    build.add_argument("--rule", choices=("auto", "steady", "aibrix"), default="auto")
+    build.add_argument(
+        "--rule",
+        choices=("auto", "steady", "aibrix"),
+        default="auto",
+        help="how a cell's rate is chosen (the description says each)",
+    )
     for name in SLO_NAMES:
         build.add_argument(f"--{name}", type=float, help=_SLO_HELP[name])
     build.add_argument(

@@ -56,14 +56,14 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--slo-e2e", type=float, help=f"end-to-end latency {slo}")
     p.add_argument("--slo-tpat", type=float, help=f"TPAT (E2E / (prompt + output tokens)) {slo}")
     p.add_argument("--target", type=float, default=0.99, help="attainment that counts as sustained")
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES)
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated, run in turn")
     p.add_argument("--loads", default=DEFAULT_LOADS, help="fractions of G* to sweep")
     p.add_argument("--requests", type=int, default=2000, help="measured requests per run")
     p.add_argument("--warmup", type=float, default=120.0, help="simulated seconds before measuring")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="gateway metrics period (s)")
     p.add_argument("--metrics-delay", type=float, default=0.0, help="age of a scrape when used (s)")
     p.add_argument("--queued-weight", type=float, default=0.0, help="load-balance lambda")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="one seed: the same tables every run")
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     p.add_argument("--md", type=Path, help="Markdown table (default: next to --json)")
     p.add_argument("--plots", type=Path, help="PNG prefix (default: next to --json)")
@@ -74,7 +74,7 @@ def register_cli(sub: Any) -> None:
         " file (docs/benchmarks.md), keeping the rest of it",
     )
     p.add_argument("--doc-section", default="simulate-slo", help="the section's marker name")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 

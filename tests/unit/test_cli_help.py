@@ -44,3 +44,24 @@ def test_the_license_the_metadata_names_ships_with_the_source() -> None:
     text = (REPO / "LICENSE").read_text(encoding="utf-8")
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert 'license = "Apache-2.0"' in (REPO / "pyproject.toml").read_text(encoding="utf-8")
+
+
+def test_every_option_has_help_and_shows_its_default() -> None:
+    """`-h` is where a user learns a flag: each says what it is and, when it has one, its
+    default (`envoy-config`'s ports and timeouts, `--seed` and `--strategies` said neither)."""
+    bare, hidden = [], []
+    for path, parser in _parsers(build_parser()):
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or isinstance(
+                action, argparse._HelpAction | argparse._VersionAction
+            ):
+                continue
+            name = f"{path} {action.option_strings[-1]}"
+            if not action.help:
+                bare.append(name)
+            elif action.default not in (None, False, "", [], argparse.SUPPRESS) and (
+                "default" not in formatter._expand_help(action).lower()
+            ):
+                hidden.append(name)
+    assert bare == [] and hidden == []
