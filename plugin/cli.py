@@ -15,7 +15,7 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
 # Each `register_cli(subparsers)` adds a sub-command whose parser has
@@ -50,14 +50,15 @@ class _DefaultsShown(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    """`parser` and every command's parser below it."""
-    found = [parser]
+def command_parsers(
+    parser: argparse.ArgumentParser, path: str = "hetero-gateway"
+) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """`parser` and every command's parser below it, each with its command line."""
+    yield path, parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                found += _subparsers(child)
-    return found
+            for name, child in action.choices.items():
+                yield from command_parsers(child, f"{path} {name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
             log.debug("command %s unavailable: %s", ep.name, exc)
             continue
         register(sub)
-    for each in _subparsers(parser):
+    for _, each in command_parsers(parser):
         if each.formatter_class is argparse.HelpFormatter:  # a command's own formatter stays
             each.formatter_class = _DefaultsShown
     return parser

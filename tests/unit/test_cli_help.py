@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
 from importlib.metadata import version
 
 import pytest
 
-from plugin.cli import build_parser, main
+from plugin.cli import build_parser, command_parsers, main
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.unit
@@ -21,20 +20,10 @@ def test_version_prints_the_installed_release(capsys: pytest.CaptureFixture[str]
     assert capsys.readouterr().out.strip() == f"hetero-gateway {version('hetero-gateway')}"
 
 
-def _parsers(
-    parser: argparse.ArgumentParser, path: str = "hetero-gateway"
-) -> Iterator[tuple[str, argparse.ArgumentParser]]:
-    yield path, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, child in action.choices.items():
-                yield from _parsers(child, f"{path} {name}")
-
-
 def test_no_help_text_shows_a_doubled_percent_sign() -> None:
     """argparse fills `%` in an argument's help but prints a description as written: a `%%`
     there reaches the user as `%%` (it did in `profile sweep -h`)."""
-    seen = dict(_parsers(build_parser()))
+    seen = dict(command_parsers(build_parser()))
     assert "hetero-gateway profile sweep" in seen  # the tools' commands are walked too
     doubled = [path for path, parser in seen.items() if "%%" in parser.format_help()]
     assert doubled == []
@@ -50,7 +39,7 @@ def test_every_option_has_help_and_shows_its_default() -> None:
     """`-h` is where a user learns a flag: each says what it is and, when it has one, its
     default (`envoy-config`'s ports and timeouts, `--seed` and `--strategies` said neither)."""
     bare, hidden = [], []
-    for path, parser in _parsers(build_parser()):
+    for path, parser in command_parsers(build_parser()):
         formatter = parser._get_formatter()
         for action in parser._actions:
             if not action.option_strings or isinstance(
